@@ -1,0 +1,41 @@
+# pat_rollout: `make install && make demo` on a fresh CPU machine; `make test` runs the CI suite.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+STAMP := $(VENV)/.pat_installed
+PYTEST_ARGS ?=
+
+.PHONY: install demo test test-fast test-gpu bench check-size clean
+
+install: $(STAMP)
+
+$(STAMP): setup.py
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	# CPU wheel first (it lies on disk here); an unpinned torch would pull a multi-GB CUDA build.
+	$(PIP) install -q "torch==2.13.0"
+	$(PIP) install -q -e ".[test,verl]"
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(PY) -m pat_rollout.demo
+
+test: $(STAMP)
+	$(PY) -m pytest tests -q -rs --timeout=900 $(PYTEST_ARGS)
+
+test-fast: $(STAMP)
+	$(PY) -m pytest tests -q -m "not slow" $(PYTEST_ARGS)
+
+test-gpu: $(STAMP)
+	$(PY) -m pytest tests/gpu -q -rs
+
+bench: $(STAMP)
+	$(PY) -m pat_rollout.bench.engine_vs_hf
+	$(PY) -m pat_rollout.bench.sim_policies
+	$(PY) -m pat_rollout.bench.reconfig_overhead
+
+check-size:
+	@python3 -c "import pathlib,sys; big=[(p,n) for p in pathlib.Path('pat_rollout').rglob('*.py') if (n:=len(p.read_text().splitlines()))>800]; print('\n'.join(f'{p}: {n} lines > 800' for p,n in big)); sys.exit(1 if big else 0)"
+
+clean:
+	rm -rf $(VENV) build *.egg-info
