@@ -1,0 +1,74 @@
+"""PAT rollout options as one frozen dataclass. The only place besides verl/ that sees user config;
+`pat_rollout.verl` converts verl's OmegaConf into this once, at the boundary."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+BACKENDS = ("reference", "sglang")
+POLICIES = ("pat", "static")
+KV_HANDOFFS = ("auto", "migrate", "recompute")
+DTYPES = ("float32", "float64", "bfloat16", "float16")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PatRolloutConfig:
+    """Options of one PAT rollout pool: `num_devices` devices that PAT regroups into TP layouts.
+
+    - initial_tp: the layout the stage starts in (num_devices / initial_tp replicas).
+    - candidate_tps: TP sizes the planner may switch to; all process groups for them are built at start-up.
+    - policy: "pat" (planner decides) or "static" (never reconfigure: the baseline).
+    - kv_handoff: per-request choice between KV migration and recomputation; "auto" uses the cost model.
+    - steps_per_poll: decode steps each actor runs per driver RPC; the planner re-evaluates at every poll.
+    - planner: options for pat_rollout.planner's PlannerConfig (validated there).
+    """
+
+    model_path: str
+    num_devices: int
+    backend: str = "reference"
+    initial_tp: int = 1
+    candidate_tps: tuple[int, ...] = ()
+    policy: str = "pat"
+    kv_handoff: str = "auto"
+    dtype: str = "float32"
+    block_size: int = 16
+    num_kv_blocks: int = 1024
+    max_num_seqs: int = 256
+    steps_per_poll: int = 8
+    profile_path: str | None = None
+    planner: dict[str, Any] = field(default_factory=dict)
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.backend not in BACKENDS:
+            raise ValueError(f"backend={self.backend!r} is unknown; expected one of {BACKENDS}")
+        if self.policy not in POLICIES:
+            raise ValueError(f"policy={self.policy!r} is unknown; expected one of {POLICIES}")
+        if self.kv_handoff not in KV_HANDOFFS:
+            raise ValueError(f"kv_handoff={self.kv_handoff!r} is unknown; expected one of {KV_HANDOFFS}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype={self.dtype!r} is unknown; expected one of {DTYPES}")
+        if self.num_devices < 1:
+            raise ValueError(f"num_devices={self.num_devices} must be >= 1")
+        for tp in (self.initial_tp, *self.candidate_tps):
+            if tp < 1 or self.num_devices % tp:
+                raise ValueError(f"TP size {tp} must divide num_devices={self.num_devices}")
+        if self.candidate_tps and self.initial_tp not in self.candidate_tps:
+            raise ValueError(f"initial_tp={self.initial_tp} must be one of candidate_tps={self.candidate_tps}")
+        for name in ("block_size", "num_kv_blocks", "max_num_seqs", "steps_per_poll"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
+
+    @property
+    def tp_sizes(self) -> tuple[int, ...]:
+        """Every TP size this pool may use, ascending (initial_tp alone for the static policy)."""
+        if self.policy == "static":
+            return (self.initial_tp,)
+        if self.candidate_tps:
+            return tuple(sorted(set(self.candidate_tps)))
+        return tuple(tp for tp in (1, 2, 4, 8, 16) if self.num_devices % tp == 0)
+
+    @property
+    def max_tp(self) -> int:
+        return max(self.tp_sizes)
