@@ -1,0 +1,152 @@
+"""Point-to-point transports behind one tiny interface, so executors never call torch.distributed.
+
+Usage by an executor: submit every send and receive of a plan step (in task_id order), then `run()`
+once; after `run()` returns, every receive buffer is filled. Messages are matched by
+(src device, dst device, task_id); NCCL ignores tags and matches by order per peer pair, which holds
+because both sides submit in task_id order.
+"""
+
+from __future__ import annotations
+
+import threading
+from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    import torch.distributed as dist
+
+
+class Transport(ABC):
+    """Submit point-to-point operations, then `run()` to execute and wait for all of them."""
+
+    device: int
+
+    @abstractmethod
+    def submit_send(self, tensor: torch.Tensor, dst_device: int, task_id: int) -> None:
+        """Queue sending `tensor` (contiguous; must stay alive and unchanged until `run()` returns)."""
+
+    @abstractmethod
+    def submit_recv(self, tensor: torch.Tensor, src_device: int, task_id: int) -> None:
+        """Queue receiving into `tensor` (contiguous), filled when `run()` returns."""
+
+    @abstractmethod
+    def run(self) -> None:
+        """Execute all queued operations and block until they complete."""
+
+    def close(self) -> None:
+        """Release resources; the transport must not be used afterwards."""
+
+
+class LoopbackMailbox:
+    """Shared by the LoopbackTransports of one simulated cluster (one per device, often one thread each)."""
+
+    def __init__(self, timeout_s: float = 60.0) -> None:
+        self.timeout_s = timeout_s
+        self._messages: dict[tuple[int, int, int], torch.Tensor] = {}
+        self._cond = threading.Condition()
+
+    def put(self, key: tuple[int, int, int], tensor: torch.Tensor) -> None:
+        with self._cond:
+            if key in self._messages:
+                raise RuntimeError(f"loopback: duplicate message (src, dst, task_id)={key}")
+            self._messages[key] = tensor
+            self._cond.notify_all()
+
+    def take(self, key: tuple[int, int, int]) -> torch.Tensor:
+        with self._cond:
+            if not self._cond.wait_for(lambda: key in self._messages, timeout=self.timeout_s):
+                raise RuntimeError(f"loopback: no message (src, dst, task_id)={key} after {self.timeout_s} s")
+            return self._messages.pop(key)
+
+    def pending(self) -> list[tuple[int, int, int]]:
+        with self._cond:
+            return sorted(self._messages)
+
+
+class LoopbackTransport(Transport):
+    """Single-process transport for simulating many devices: sends are copied into a shared mailbox at
+    submit time; `run()` waits (bounded) for every expected message. Run each simulated device in its
+    own thread, or submit all devices' sends before any `run()`."""
+
+    def __init__(self, mailbox: LoopbackMailbox, device: int) -> None:
+        self.mailbox = mailbox
+        self.device = device
+        self._recvs: list[tuple[torch.Tensor, int, int]] = []
+        self.num_sent = 0
+        self.bytes_sent = 0
+
+    def submit_send(self, tensor: torch.Tensor, dst_device: int, task_id: int) -> None:
+        self.mailbox.put((self.device, dst_device, task_id), tensor.detach().clone())
+        self.num_sent += 1
+        self.bytes_sent += tensor.numel() * tensor.element_size()
+
+    def submit_recv(self, tensor: torch.Tensor, src_device: int, task_id: int) -> None:
+        self._recvs.append((tensor, src_device, task_id))
+
+    def run(self) -> None:
+        recvs, self._recvs = self._recvs, []
+        for tensor, src, task_id in recvs:
+            msg = self.mailbox.take((src, self.device, task_id))
+            if msg.shape != tensor.shape or msg.dtype != tensor.dtype:
+                raise RuntimeError(
+                    f"loopback: device {self.device} task_id={task_id} from {src}: expected "
+                    f"{tuple(tensor.shape)} {tensor.dtype}, got {tuple(msg.shape)} {msg.dtype}"
+                )
+            tensor.copy_(msg)
+
+
+class GlooTransport(Transport):
+    """torch.distributed isend/irecv over `group` (gloo or NCCL), batched with batch_isend_irecv.
+
+    `device_to_group_rank` maps plan device ids to ranks in `group`. Self-messages are matched locally
+    by task_id. Tags carry task_id (gloo matches on them; NCCL matches by submission order).
+    """
+
+    def __init__(self, group: dist.ProcessGroup | None, device_to_group_rank: dict[int, int]) -> None:
+        import torch.distributed as dist
+
+        self.group = group
+        self.device_to_group_rank = dict(device_to_group_rank)
+        my_rank = dist.get_rank(group)
+        mine = [d for d, r in self.device_to_group_rank.items() if r == my_rank]
+        if len(mine) != 1:
+            raise RuntimeError(f"group rank {my_rank} maps to devices {mine} in {self.device_to_group_rank}")
+        self.device = mine[0]
+        self._ops: list[tuple[str, torch.Tensor, int, int]] = []
+        self._local: dict[int, torch.Tensor] = {}
+
+    def submit_send(self, tensor: torch.Tensor, dst_device: int, task_id: int) -> None:
+        if dst_device == self.device:
+            self._local[task_id] = tensor
+        else:
+            self._ops.append(("send", tensor, dst_device, task_id))
+
+    def submit_recv(self, tensor: torch.Tensor, src_device: int, task_id: int) -> None:
+        self._ops.append(("recv", tensor, src_device, task_id))
+
+    def run(self) -> None:
+        import torch.distributed as dist
+
+        ops, self._ops = self._ops, []
+        local, self._local = self._local, {}
+        p2p = []
+        for kind, tensor, peer, task_id in ops:
+            if kind == "recv" and peer == self.device:
+                if task_id not in local:
+                    raise RuntimeError(f"device {self.device}: self-receive task_id={task_id} has no matching send")
+                tensor.copy_(local.pop(task_id))
+                continue
+            fn = dist.isend if kind == "send" else dist.irecv
+            p2p.append(dist.P2POp(fn, tensor, group=self.group, tag=task_id,
+                                  group_peer=self.device_to_group_rank[peer]))
+        if local:
+            raise RuntimeError(f"device {self.device}: self-sends without receive, task_ids {sorted(local)}")
+        if p2p:
+            for work in dist.batch_isend_irecv(p2p):
+                work.wait()
+
+    def close(self) -> None:
+        self._ops.clear()
+        self._local.clear()

@@ -1,0 +1,313 @@
+"""The driver: owns the pool of shard actors, schedules requests onto DP replicas, runs the
+generation loop in a background thread and lets the planner reconfigure TP while it runs.
+
+    loop: dispatch new requests -> step every busy replica k times -> resolve finished futures
+          -> every poll: snapshot -> planner.decide -> Reconfigurer.run
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import json
+import logging
+import threading
+import time
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+from pat_rollout.config import PatRolloutConfig
+from pat_rollout.engine.base import RunningInfo
+from pat_rollout.engine.ref.config import RefEngineConfig
+from pat_rollout.layout import Layout, model_shard_specs
+from pat_rollout.types import ModelSpec, Request, RequestOutput
+from pat_rollout.workers.group import WorkerError, WorkerGroup
+from pat_rollout.workers.metrics import StageMetrics
+from pat_rollout.workers.pat_planner import build_planner, cluster_state
+from pat_rollout.workers.reconfigure import ReconfigurationError, Reconfigurer
+
+logger = logging.getLogger(__name__)
+
+_DTYPE_BYTES = {"float32": 4, "float64": 8, "bfloat16": 2, "float16": 2}
+
+
+def read_model_spec(model_path: str) -> ModelSpec:
+    cfg_file = Path(model_path) / "config.json"
+    if not cfg_file.is_file():
+        raise ValueError(f"model_path={model_path!r} has no config.json (expected a HuggingFace checkpoint folder)")
+    return ModelSpec.from_hf_config(json.loads(cfg_file.read_text()))
+
+
+class RolloutDriver:
+    """A PAT rollout pool of `config.num_devices` devices. Thread-safe `submit`; blocking `generate`."""
+
+    def __init__(self, config: PatRolloutConfig, *, num_cpus_per_worker: float = 1) -> None:
+        self.config = config
+        self.spec = read_model_spec(config.model_path)
+        for tp in config.tp_sizes:
+            self.spec.check_tp(tp)  # fail before starting any actor
+        self.base = Layout.uniform(config.num_devices, config.initial_tp)
+        self.layout = self.base
+        engine_cfg = RefEngineConfig(model_path=config.model_path, dtype=config.dtype, max_tp=config.max_tp,
+                                     block_size=config.block_size, num_kv_blocks=config.num_kv_blocks,
+                                     max_num_seqs=config.max_num_seqs)
+        self.group = WorkerGroup(num_cpus_per_worker=num_cpus_per_worker, world_size=config.num_devices,
+                                 engine=engine_cfg, initial_layout=self.base, tp_sizes=config.tp_sizes)
+        self.reconfigurer = Reconfigurer(self.group, self.spec, model_shard_specs(self.spec, config.max_tp),
+                                         self.base, handoff=config.kv_handoff,
+                                         dtype_bytes=_DTYPE_BYTES[config.dtype])
+        self.planner = build_planner(config, self.spec) if config.policy == "pat" else None
+        self._lock = threading.Condition()
+        self._inbox: list[tuple[Request, cf.Future]] = []
+        self._futures: dict[str, cf.Future] = {}
+        self._requests: dict[str, Request] = {}
+        self._assignment: dict[str, int] = {}
+        self._progress: dict[str, RunningInfo] = {}
+        self._stage: StageMetrics | None = None
+        self._last_stage: StageMetrics | None = None
+        self._num_polls = 0
+        self._last_reconfig_poll = -10**9
+        self._stop = False
+        self._thread = threading.Thread(target=self._loop, name="pat-driver", daemon=True)
+        self._thread.start()
+
+    # ---- public API -------------------------------------------------------------------------------
+    def submit(self, request: Request) -> cf.Future:
+        fut: cf.Future = cf.Future()
+        with self._lock:
+            if self._stop:
+                raise RuntimeError("RolloutDriver is shut down")
+            if request.request_id in self._futures or any(r.request_id == request.request_id for r, _ in self._inbox):
+                raise ValueError(f"request_id {request.request_id!r} is already in flight")
+            self._inbox.append((request, fut))
+            self._lock.notify_all()
+        return fut
+
+    def generate(self, requests: Iterable[Request], timeout: float | None = None) -> list[RequestOutput]:
+        futures = [self.submit(r) for r in requests]
+        return [f.result(timeout=timeout) for f in futures]
+
+    def reconfigure(self, tp: int) -> None:
+        """Switch layout now (between polls). Mostly for tests and demos; the planner calls it itself."""
+        with self._lock:
+            self._manual_tp = tp
+            self._lock.notify_all()
+        while True:
+            with self._lock:
+                if getattr(self, "_manual_tp", None) is None:
+                    err = getattr(self, "_manual_err", None)
+                    self._manual_err = None
+                    break
+            time.sleep(0.005)
+        if err is not None:
+            raise err
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, Any]]) -> None:
+        """Load new full weights on every device; the pool returns to its base layout first."""
+        self._wait_idle()
+        self._to_base()
+        batch = list(named_tensors)
+        self.group.call(range(self.group.num_devices), "update_weights", batch, what="update_weights")
+
+    def release(self, tags: Iterable[str] = ("weights", "kv_cache")) -> None:
+        self._wait_idle()
+        self.group.call(range(self.group.num_devices), "release", list(tags), what="release")
+
+    def resume(self, tags: Iterable[str] = ("weights", "kv_cache")) -> None:
+        self.group.call(range(self.group.num_devices), "resume", list(tags), what="resume")
+
+    def abort_all(self) -> list[RequestOutput]:
+        with self._lock:
+            self._abort = True
+            self._lock.notify_all()
+        self._wait_idle()
+        return getattr(self, "_aborted", [])
+
+    def stage_metrics(self) -> dict[str, Any]:
+        stage = self._last_stage or self._stage
+        return stage.as_dict() if stage else {}
+
+    def worker_info(self) -> list[dict[str, Any]]:
+        return self.group.call(range(self.group.num_devices), "info")
+
+    def shutdown(self) -> None:
+        with self._lock:
+            self._stop = True
+            self._lock.notify_all()
+        self._thread.join(timeout=30)
+        self.group.shutdown()
+
+    # ---- background loop --------------------------------------------------------------------------
+    def _wait_idle(self) -> None:
+        while True:
+            with self._lock:
+                if not self._inbox and not self._futures and not getattr(self, "_abort", False):
+                    return
+            time.sleep(0.01)
+
+    def _loop(self) -> None:
+        while True:
+            with self._lock:
+                while not (self._inbox or self._futures or self._stop or getattr(self, "_manual_tp", None)
+                           or getattr(self, "_abort", False)):
+                    self._lock.wait()
+                if self._stop:
+                    return
+                new, self._inbox = self._inbox, []
+            try:
+                if getattr(self, "_abort", False):
+                    self._do_abort(new)
+                    continue
+                if getattr(self, "_manual_tp", None):
+                    self._manual_reconfigure()
+                if new and not self._futures:
+                    self._start_stage()
+                self._dispatch(new)
+                if self._futures:
+                    self._poll()
+                if not self._futures and self._stage is not None:
+                    self._end_stage()
+            except Exception as e:  # a dead actor or a bug: fail every in-flight request loudly
+                logger.exception("PAT driver loop failed")
+                self._fail_all(e)
+
+    def _start_stage(self) -> None:
+        self._stage = StageMetrics()
+        if self.layout != self.base:  # a new stage starts from the base layout (nothing to hand off)
+            self._to_base()
+        self._stage.record_layout(str(self.layout))
+        if self.planner is not None:
+            self.planner.start_stage()
+
+    def _end_stage(self) -> None:
+        self._stage.finish()
+        self._last_stage, self._stage = self._stage, None
+        logger.info("stage done: %s", {k: v for k, v in self._last_stage.as_dict().items()})
+
+    def _to_base(self) -> None:
+        if self.layout != self.base:
+            result = self.reconfigurer.run(self.layout, self.base.tp_size, self._assignment)
+            self.layout = result.dst
+
+    def _dispatch(self, new: list[tuple[Request, cf.Future]]) -> None:
+        if not new:
+            return
+        load = [0] * self.layout.num_replicas
+        for r in self._assignment.values():
+            load[r] += 1
+        per_replica: dict[int, list[Request]] = {}
+        for req, fut in new:
+            r = min(range(len(load)), key=lambda i: (load[i], i))
+            load[r] += 1
+            per_replica.setdefault(r, []).append(req)
+            self._assignment[req.request_id] = r
+            self._futures[req.request_id] = fut
+            self._requests[req.request_id] = req
+        calls = {d: ("add_requests", (reqs,)) for r, reqs in per_replica.items() for d in self.layout.groups[r]}
+        self.group.call_each(calls, what="add_requests")
+
+    def _poll(self) -> None:
+        busy = sorted({r for r in self._assignment.values()})
+        devices = [d for r in busy for d in self.layout.groups[r]]
+        k = self.config.steps_per_poll
+        results = dict(zip(devices, self.group.call(devices, "step", k, what="decode step")))
+        self._num_polls += 1
+        self._stage.num_polls += 1
+        for r in busy:
+            step, snap = results[self.layout.groups[r][0]]
+            self._stage.num_decode_tokens += step.num_decode_tokens
+            for out in step.finished:
+                self._finish(out)
+            for info in snap.running:
+                self._progress[info.request_id] = info
+        if self.planner is not None and self._futures:
+            self._maybe_reconfigure()
+
+    def _finish(self, out: RequestOutput) -> None:
+        rid = out.request_id
+        self._assignment.pop(rid, None)
+        self._progress.pop(rid, None)
+        req = self._requests.pop(rid, None)
+        fut = self._futures.pop(rid, None)
+        if self._stage is not None:
+            self._stage.response_lengths.append(len(out.token_ids))
+        if self.planner is not None and req is not None:
+            self.planner.observe_finished(req, len(out.token_ids))
+        if fut is not None and not fut.done():
+            fut.set_result(out)
+
+    def _maybe_reconfigure(self) -> None:
+        state = cluster_state(self._num_polls * self.config.steps_per_poll, self.config.num_devices,
+                              self.layout.tp_size, self._requests, self._progress)
+        decision = self.planner.decide(state)
+        if decision is None or decision.target_tp == self.layout.tp_size:
+            return
+        logger.info("planner: %s -> TP%d (%s)", self.layout, decision.target_tp, decision.reason)
+        try:
+            self._apply_reconfigure(decision.target_tp)
+        except ReconfigurationError as e:  # rolled back, requests kept: keep generating
+            logger.error("%s", e)
+
+    def _apply_reconfigure(self, tp: int) -> None:
+        try:
+            result = self.reconfigurer.run(self.layout, tp, self._assignment)
+        except ReconfigurationError:
+            self._stage.num_failed_reconfigs += 1
+            self.layout = self.base
+            self._assignment = dict(self.reconfigurer.last_rollback_assignment)
+            self._stage.record_layout(str(self.layout))
+            raise
+        self.layout = result.dst
+        self._assignment = {rid: result.assignment[rid] for rid in self._assignment}
+        self._stage.num_reconfigs += 1
+        self._stage.num_migrated += len(result.migrated)
+        self._stage.num_recomputed += len(result.recomputed)
+        for phase, s in result.phase_s.items():
+            self._stage.add_phase(phase, s)
+        self._stage.last_switch_s = time.perf_counter()
+        self._stage.record_layout(str(self.layout))
+
+    def _manual_reconfigure(self) -> None:
+        tp = self._manual_tp
+        err = None
+        try:
+            if self._stage is None:
+                self._stage = StageMetrics()
+            self._apply_reconfigure(tp)
+        except Exception as e:
+            err = e
+        with self._lock:
+            self._manual_err = err
+            self._manual_tp = None
+
+    def _do_abort(self, new: list[tuple[Request, cf.Future]]) -> None:
+        outs = []
+        if self._futures:
+            per_device = self.group.call(range(self.group.num_devices), "abort_all", what="abort")
+            for group in self.layout.groups:
+                outs.extend(per_device[group[0]])
+        for out in outs:
+            self._finish(out)
+        for req, fut in new:
+            out = RequestOutput(request_id=req.request_id, prompt_token_ids=req.prompt_token_ids, token_ids=(),
+                                log_probs=(), finish_reason="abort")
+            fut.set_result(out)
+            outs.append(out)
+        self._aborted = outs
+        with self._lock:
+            self._abort = False
+
+    def _fail_all(self, error: Exception) -> None:
+        pending = sorted(self._futures)
+        msg = f"PAT rollout failed with {len(pending)} requests in flight ({pending[:8]}...): {error}"
+        if isinstance(error, WorkerError):
+            msg += f"; dead/failed devices: {list(error.devices)}"
+        for rid in pending:
+            fut = self._futures.pop(rid)
+            if not fut.done():
+                fut.set_exception(RuntimeError(msg))
+        self._assignment.clear()
+        self._progress.clear()
+        self._requests.clear()
+        if self._stage is not None:
+            self._end_stage()

@@ -1,0 +1,51 @@
+"""Per-stage metrics of a generation stage, in verl's flat `prefix/name` style."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class StageMetrics:
+    start_s: float = field(default_factory=time.perf_counter)
+    end_s: float | None = None
+    num_reconfigs: int = 0
+    num_failed_reconfigs: int = 0
+    num_migrated: int = 0
+    num_recomputed: int = 0
+    num_decode_tokens: int = 0
+    num_polls: int = 0
+    phase_s: dict[str, float] = field(default_factory=dict)
+    layouts: list[tuple[float, str]] = field(default_factory=list)
+    response_lengths: list[int] = field(default_factory=list)
+    last_switch_s: float | None = None
+
+    def add_phase(self, phase: str, seconds: float) -> None:
+        self.phase_s[phase] = self.phase_s.get(phase, 0.0) + seconds
+
+    def record_layout(self, layout: str) -> None:
+        self.layouts.append((time.perf_counter() - self.start_s, layout))
+
+    def finish(self) -> None:
+        self.end_s = time.perf_counter()
+
+    def as_dict(self, prefix: str = "pat") -> dict[str, float | str]:
+        end = self.end_s if self.end_s is not None else time.perf_counter()
+        lengths = self.response_lengths or [0]
+        out: dict[str, float | str] = {
+            f"{prefix}/gen_time_s": end - self.start_s,
+            f"{prefix}/num_reconfigs": self.num_reconfigs,
+            f"{prefix}/num_failed_reconfigs": self.num_failed_reconfigs,
+            f"{prefix}/num_migrated": self.num_migrated,
+            f"{prefix}/num_recomputed": self.num_recomputed,
+            f"{prefix}/decode_tokens": self.num_decode_tokens,
+            f"{prefix}/response_length_min": min(lengths),
+            f"{prefix}/response_length_mean": sum(lengths) / len(lengths),
+            f"{prefix}/response_length_max": max(lengths),
+            f"{prefix}/tail_time_after_switch_s": (end - self.last_switch_s) if self.last_switch_s else 0.0,
+            f"{prefix}/layouts": " -> ".join(f"{layout}@{t:.2f}s" for t, layout in self.layouts),
+        }
+        for phase, s in sorted(self.phase_s.items()):
+            out[f"{prefix}/reconfig_{phase}_s"] = s
+        return out

@@ -1,0 +1,149 @@
+"""Driver side of PAT's reconfiguration protocol.
+
+    pause -> plan -> export -> KV hand-off -> reshard -> switch groups -> import (resume)
+
+Generation is paused simply by not issuing steps. Each phase is one concurrent RPC to every device,
+timed and logged. Until `reshard` nothing destructive has happened; any failure rolls back to the
+base layout (weights restored from each device's host backup) and re-imports every exported request
+for recomputation, so no request is lost, then raises ReconfigurationError.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+from pat_rollout.kv.cost import HandoffCost, choose_handoff
+from pat_rollout.kv.plan import plan_kv
+from pat_rollout.layout import Layout
+from pat_rollout.layout.transition import plan_layout, plan_weights
+from pat_rollout.types import ModelSpec, RequestState
+from pat_rollout.workers.group import WorkerGroup
+
+logger = logging.getLogger(__name__)
+
+
+class ReconfigurationError(RuntimeError):
+    """A reconfiguration failed; the pool was rolled back and no request was lost."""
+
+
+@dataclass(slots=True)
+class ReconfigResult:
+    src: Layout
+    dst: Layout
+    phase_s: dict[str, float] = field(default_factory=dict)
+    assignment: dict[str, int] = field(default_factory=dict)  # request id -> new replica
+    migrated: tuple[str, ...] = ()
+    recomputed: tuple[str, ...] = ()
+
+
+def _balance(states: list[RequestState], num_replicas: int) -> dict[str, int]:
+    """Assign requests to replicas, longest context first onto the least-loaded replica."""
+    load = [0] * num_replicas
+    out: dict[str, int] = {}
+    for s in sorted(states, key=lambda s: (-s.num_tokens, s.request_id)):
+        r = min(range(num_replicas), key=lambda i: (load[i], i))
+        out[s.request_id] = r
+        load[r] += s.num_tokens
+    return out
+
+
+class Reconfigurer:
+    """Runs layout transitions on a WorkerGroup. Holds the plan cache and the hand-off cost model."""
+
+    def __init__(self, group: WorkerGroup, spec: ModelSpec, shard_specs: dict, base: Layout, *,
+                 handoff: str = "auto", cost: HandoffCost | None = None, dtype_bytes: int = 4) -> None:
+        self.group = group
+        self.spec = spec
+        self.shard_specs = shard_specs
+        self.base = base
+        self.handoff = handoff
+        self.cost = cost or HandoffCost()
+        self.dtype_bytes = dtype_bytes
+
+    def run(self, src: Layout, dst_tp: int, old_assignment: dict[str, int]) -> ReconfigResult:
+        devices = range(self.group.num_devices)
+        t_start = time.perf_counter()
+        self.spec.check_tp(dst_tp)
+        dst = plan_layout(src, dst_tp)
+        weight_plan = plan_weights(src, dst, self.shard_specs)
+        result = ReconfigResult(src=src, dst=dst)
+        result.phase_s["plan"] = time.perf_counter() - t_start
+
+        t = time.perf_counter()
+        per_device = self.group.call(devices, "export_requests", what="export")
+        states = _unique_states(src, per_device)
+        result.phase_s["export"] = time.perf_counter() - t
+        try:
+            assignment = _balance(states, dst.num_replicas)
+            migrated, recomputed = [], []
+            for s in states:
+                choice = choose_handoff(s.num_cached_tokens, self.spec.kv_bytes_per_token(1, self.dtype_bytes),
+                                        dst.tp_size, self.handoff, cost=self.cost).method
+                (migrated if choice == "migrate" else recomputed).append(s)
+            moves = [(s.request_id, src.groups[old_assignment[s.request_id]], dst.groups[assignment[s.request_id]],
+                      s.num_cached_tokens) for s in migrated]
+            kv_transfers = plan_kv(moves, self.spec.num_kv_heads)
+
+            t = time.perf_counter()
+            self.group.call(devices, "handoff_kv", kv_transfers, what="KV hand-off")
+            result.phase_s["kv_handoff"] = time.perf_counter() - t
+
+            t = time.perf_counter()
+            self.group.call(devices, "reshard", weight_plan, what="reshard")
+            result.phase_s["reshard"] = time.perf_counter() - t
+
+            t = time.perf_counter()
+            self.group.call(devices, "switch", dst, what="group switch")
+            result.phase_s["switch"] = time.perf_counter() - t
+
+            t = time.perf_counter()
+            migrated_ids = {s.request_id for s in migrated}
+            calls = {}
+            for r, group in enumerate(dst.groups):
+                mine = [s for s in states if assignment[s.request_id] == r]
+                ids = [s.request_id for s in mine if s.request_id in migrated_ids]
+                for d in group:
+                    calls[d] = ("import_requests", (mine, ids))
+            self.group.call_each(calls, what="import")
+            result.phase_s["import"] = time.perf_counter() - t
+        except Exception as e:
+            self._rollback(states)
+            raise ReconfigurationError(
+                f"reconfiguration {src} -> TP{dst_tp} failed ({e}); rolled back to base layout {self.base}, "
+                f"{len(states)} unfinished requests re-imported for recomputation"
+            ) from e
+        result.assignment = assignment
+        result.migrated = tuple(s.request_id for s in migrated)
+        result.recomputed = tuple(s.request_id for s in recomputed)
+        logger.info("reconfigured %s -> %s in %.3f s: %s; %d migrated, %d recomputed", src, dst,
+                    time.perf_counter() - t_start, {k: round(v, 4) for k, v in result.phase_s.items()},
+                    len(result.migrated), len(result.recomputed))
+        return result
+
+    def _rollback(self, states: list[RequestState]) -> None:
+        devices = range(self.group.num_devices)
+        self.group.call(devices, "rollback", self.base, what="rollback")
+        assignment = _balance(states, self.base.num_replicas)
+        calls = {}
+        for r, group in enumerate(self.base.groups):
+            mine = [s for s in states if assignment[s.request_id] == r]
+            for d in group:
+                calls[d] = ("import_requests", (mine, []))
+        self.group.call_each(calls, what="rollback import")
+        self.last_rollback_assignment = assignment
+
+
+def _unique_states(layout: Layout, per_device: list[list[RequestState]]) -> list[RequestState]:
+    """Every TP rank of a replica exports the same requests; keep TP rank 0's and check the rest."""
+    states: list[RequestState] = []
+    for group in layout.groups:
+        lead = per_device[group[0]]
+        for d in group[1:]:
+            if [s.request_id for s in per_device[d]] != [s.request_id for s in lead]:
+                raise RuntimeError(f"TP ranks of replica {group} disagree on unfinished requests: "
+                                   f"device {group[0]} has {[s.request_id for s in lead]}, "
+                                   f"device {d} has {[s.request_id for s in per_device[d]]}")
+        states.extend(lead)
+    return states
