@@ -100,14 +100,17 @@ class LoopbackTransport(Transport):
 class GlooTransport(Transport):
     """torch.distributed isend/irecv over `group` (gloo or NCCL), batched with batch_isend_irecv.
 
-    `device_to_group_rank` maps plan device ids to ranks in `group`. Self-messages are matched locally
+    `device_to_group_rank` maps plan device ids to ranks in `group` (None: device id == group rank for
+    every rank of the group). Self-messages are matched locally
     by task_id. Tags carry task_id (gloo matches on them; NCCL matches by submission order).
     """
 
-    def __init__(self, group: dist.ProcessGroup | None, device_to_group_rank: dict[int, int]) -> None:
+    def __init__(self, group: dist.ProcessGroup | None, device_to_group_rank: dict[int, int] | None = None) -> None:
         import torch.distributed as dist
 
         self.group = group
+        if device_to_group_rank is None:
+            device_to_group_rank = {r: r for r in range(dist.get_world_size(group))}
         self.device_to_group_rank = dict(device_to_group_rank)
         my_rank = dist.get_rank(group)
         mine = [d for d, r in self.device_to_group_rank.items() if r == my_rank]

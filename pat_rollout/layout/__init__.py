@@ -6,5 +6,7 @@ Pure Python: imports only the stdlib and pat_rollout.types (no torch, ray or sgl
 
 from pat_rollout.layout.layout import Layout
 from pat_rollout.layout.shard import Partition, ShardSpec, kv_heads_for_rank, model_shard_specs, shard_intervals
+from pat_rollout.layout.transition import PlanCache, WeightPlan, WeightTransfer, bytes_moved, plan_layout, plan_weights
 
-__all__ = ["Layout", "Partition", "ShardSpec", "kv_heads_for_rank", "model_shard_specs", "shard_intervals"]
+__all__ = ["Layout", "Partition", "PlanCache", "ShardSpec", "WeightPlan", "WeightTransfer", "bytes_moved",
+           "kv_heads_for_rank", "model_shard_specs", "plan_layout", "plan_weights", "shard_intervals"]
