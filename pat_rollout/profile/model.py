@@ -124,7 +124,8 @@ class LatencyModel:
         if num_tokens <= 0:
             return 0.0
         if tp not in self._prefill:
-            raise ValueError(f"tp={tp} has no prefill entry in the profile; profiled tps={tuple(sorted(self._prefill))}")
+            raise ValueError(f"tp={tp} has no prefill entry in the profile; "
+                             f"profiled tps={tuple(sorted(self._prefill))}")
         tokens_per_s, fixed_s = self._prefill[tp]
         return fixed_s + num_tokens / tokens_per_s
 
@@ -271,8 +272,8 @@ class RooflineParams:
     """Inputs of `build_roofline_profile`; every number is either a published figure or a stated assumption."""
 
     hbm_bytes_per_s: float = 3.35e12  # H100 SXM HBM3 peak (published)
-    hbm_efficiency: float = 0.966  # fitted to the two SGLang batch-1 points, see notes
-    fixed_step_s: float = 2.41e-3  # fitted: per-step launch/scheduler time independent of batch and tp
+    hbm_efficiency: float = 0.971  # fitted to the two SGLang batch-1 points, see notes
+    fixed_step_s: float = 2.402e-3  # fitted: per-step launch/scheduler time independent of batch and tp
     flops_per_s: float = 600e12  # assumed sustained bf16 dense (H100 peak 989 TFLOP/s)
     allreduce_latency_s: float = 5e-6  # SGLang custom all-reduce on NVLink, ~4-6 us (published)
     allreduce_bytes_per_s: float = 300e9  # assumed ring bus bandwidth for larger all-reduces
@@ -320,3 +321,55 @@ def build_roofline_profile(*, meta: dict[str, str], shape: ProfileModelShape, tp
         "reshard": {"bandwidth_bytes_per_s": params.reshard_bytes_per_s, "fixed_s": params.reshard_fixed_s},
         "group_switch_s": params.group_switch_s,
     }
+
+
+_GRID_BATCHES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+_GRID_CONTEXTS = (128, 512, 1024, 2048, 4096, 8192, 16384, 32768)
+_NOTES = (
+    "NOT MEASURED: a roofline built from published figures by pat_rollout.profile.model.published_profile({name!r}). "
+    "Anchors: SGLang Llama-3-8B batch-1 decode on H100 = 7.37 ms/step at TP1 and 3.35 ms/step at TP8 "
+    "(sglang issue #1008); SGLang custom all-reduce on NVLink ~4-6 us per small all-reduce (5 us used); "
+    "H100 SXM HBM3 3.35 TB/s. Formula: step_s = fixed + max(mem, compute) + allreduce + host, "
+    "mem = (param_bytes/tp + batch*context*kv_bytes_per_token/min(tp, num_kv_heads)) / (3.35e12 * eff), "
+    "compute = 2*num_params*batch/(tp*600e12), "
+    "allreduce = [tp>1]*2*num_layers*(5e-6 + 2(tp-1)/tp*batch*hidden*2/300e9), "
+    "host = batch*8e-6. eff=0.971 and fixed=2.402 ms are fitted so that Llama-3.1-8B at batch 1, context 512 "
+    "gives 7.37 ms (TP1) and 3.35 ms (TP8) (the context of those figures is not stated there; 512 is assumed); "
+    "TP2/TP4 and batch>1 come from the formula only. KV-cache capacity limits are not modelled. "
+    "Assumed, not published: 600 TFLOP/s sustained, 300 GB/s all-reduce bus bandwidth, 8 us per-request host "
+    "time per step (serial per replica: what makes many small replicas win at large batch), prefill = "
+    "5 ms + tokens * 2*num_params/(tp*600e12), KV migration 200 GB/s per device + 50 us, weight reshard "
+    "300 GB/s per device + 2 ms, group switch 20 ms.{extra}"
+)
+_PUBLISHED = {
+    "h100_llama31_8b": ("meta-llama/Llama-3.1-8B (bf16)", ProfileModelShape(
+        num_layers=32, hidden_size=4096, num_heads=32, num_kv_heads=8, head_dim=128,
+        param_bytes=2 * 8_030_261_248, dtype_bytes=2), ""),
+    "h100_qwen3_14b": ("Qwen/Qwen3-14B (bf16)", ProfileModelShape(
+        num_layers=40, hidden_size=5120, num_heads=40, num_kv_heads=8, head_dim=128,
+        param_bytes=2 * 14_768_296_960, dtype_bytes=2),
+        " Qwen3-14B: same hardware constants as the Llama-3.1-8B profile with this model's shape; no "
+        "Qwen3-14B latency figure was used to check it."),
+}
+
+
+def published_profile(name: str) -> dict[str, Any]:
+    """The schema-v1 dict of a builtin published-figures profile (what data/<file>.json holds)."""
+    if name not in _PUBLISHED:
+        raise ValueError(f"published profile {name!r} is unknown; known: {sorted(_PUBLISHED)}")
+    model, shape, extra = _PUBLISHED[name]
+    meta = {"hardware": "8x NVIDIA H100 SXM 80GB (NVLink)", "model": model, "backend": "sglang",
+            "source": "published-figures", "notes": _NOTES.format(name=name, extra=extra)}
+    return build_roofline_profile(meta=meta, shape=shape, tps=(1, 2, 4, 8), batches=_GRID_BATCHES,
+                                  contexts=_GRID_CONTEXTS)
+
+
+def write_published_profiles(out_dir: Path = DATA_DIR) -> list[Path]:
+    """Regenerate data/*.json from `published_profile` (run after changing RooflineParams)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for name, fname in BUILTIN_PROFILES.items():
+        path = out_dir / fname
+        path.write_text(json.dumps(published_profile(name), indent=1) + "\n")
+        paths.append(path)
+    return paths

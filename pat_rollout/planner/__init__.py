@@ -1,0 +1,16 @@
+"""The PAT planner: predicts remaining response lengths, estimates remaining generation time per TP layout from a
+latency profile, and decides when and to which TP to reconfigure (saving > overhead, with hysteresis).
+
+Pure: imports only the stdlib, pat_rollout.types and pat_rollout.profile.model (no torch, ray or sglang).
+"""
+
+from pat_rollout.planner.cost import TransitionCost, transition_cost
+from pat_rollout.planner.estimator import balance, drain_s, replica_drain_s
+from pat_rollout.planner.policy import Option, Planner, PlannerConfig
+from pat_rollout.planner.predictor import LengthPredictor, PredictorConfig
+from pat_rollout.planner.state import ClusterState, Decision, ReqProgress
+
+__all__ = [
+    "ClusterState", "Decision", "LengthPredictor", "Option", "Planner", "PlannerConfig", "PredictorConfig",
+    "ReqProgress", "TransitionCost", "balance", "drain_s", "replica_drain_s", "transition_cost",
+]

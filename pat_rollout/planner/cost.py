@@ -1,0 +1,56 @@
+"""Overhead of switching the whole pool from TP=tp_src to TP=tp_dst. Pure stdlib.
+
+Charged serially (conservative, no overlap): weight reshard + KV handoff + group switch/resume.
+- Weights: a device needs param_bytes / tp_dst and holds param_bytes / tp_src, so growing TP moves nothing and
+  shrinking gathers the difference; all devices receive in parallel.
+- KV: every running request is handed off (the new layout rebalances requests, and even in place a TP change
+  re-splits KV heads). Each request is migrated (kv bytes / bandwidth) or recomputed (prefill of its tokens),
+  whichever is cheaper alone; migrations run on all devices in parallel, recomputation on all new replicas.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from pat_rollout.profile.model import LatencyModel
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TransitionCost:
+    """Seconds per component of one reconfiguration, and how many requests were migrated or recomputed."""
+
+    reshard_s: float
+    kv_s: float
+    switch_s: float
+    num_migrated: int
+    num_recomputed: int
+
+    @property
+    def total_s(self) -> float:
+        return self.reshard_s + self.kv_s + self.switch_s
+
+
+def transition_cost(model: LatencyModel, *, num_devices: int, tp_src: int, tp_dst: int,
+                    num_tokens: Sequence[int]) -> TransitionCost:
+    """Cost of switching num_devices devices from tp_src to tp_dst with running requests of `num_tokens` tokens
+    (prompt + generated) each. Zero when tp_src == tp_dst."""
+    if tp_src == tp_dst:
+        return TransitionCost(reshard_s=0.0, kv_s=0.0, switch_s=0.0, num_migrated=0, num_recomputed=0)
+    w = model.model.param_bytes
+    reshard_s = model.reshard_s(max(0.0, w / tp_dst - w / tp_src))
+    kv_per_token = model.model.kv_bytes_per_token()
+    mig_bytes = 0
+    recompute_tokens = 0
+    num_migrated = 0
+    for n in num_tokens:
+        if model.kv_migrate_s(n * kv_per_token) <= model.prefill_s(tp_dst, n):
+            mig_bytes += n * kv_per_token
+            num_migrated += 1
+        else:
+            recompute_tokens += n
+    num_replicas_dst = num_devices // tp_dst
+    kv_s = model.kv_migrate_s(mig_bytes / num_devices) + model.prefill_s(
+        tp_dst, -(-recompute_tokens // num_replicas_dst))
+    return TransitionCost(reshard_s=reshard_s, kv_s=kv_s, switch_s=model.group_switch_s, num_migrated=num_migrated,
+                          num_recomputed=len(num_tokens) - num_migrated)

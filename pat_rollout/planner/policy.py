@@ -1,0 +1,179 @@
+"""When and to which TP to reconfigure: compare predicted remaining time of every candidate layout, switch only
+when the predicted saving beats the overhead plus a margin, with hysteresis. Pure stdlib, deterministic."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+from pat_rollout.planner.cost import TransitionCost, transition_cost
+from pat_rollout.planner.estimator import drain_s
+from pat_rollout.planner.predictor import LengthPredictor, PredictorConfig
+from pat_rollout.planner.state import ClusterState, Decision
+from pat_rollout.profile.model import LatencyModel
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PlannerConfig:
+    """- candidate_tps: TP sizes the planner may switch to.
+    - eval_every_steps: evaluate at most once per this many decode steps (k).
+    - min_gain_s / min_gain_ratio: switch only if saving - overhead > max(min_gain_s, min_gain_ratio * remaining).
+    - min_steps_between_switches: no switch within this many steps of the previous one.
+    - only_grow: only switch to a larger TP (the batch only drains during a stage).
+    - no_return_steps: never switch back to a TP that was left less than this many steps ago.
+    - max_reconfigs_per_stage: hard cap on switches per stage."""
+
+    candidate_tps: tuple[int, ...]
+    eval_every_steps: int = 64
+    min_gain_s: float = 0.5
+    min_gain_ratio: float = 0.05
+    min_steps_between_switches: int = 256
+    only_grow: bool = True
+    no_return_steps: int = 4096
+    max_reconfigs_per_stage: int = 3
+    predictor: PredictorConfig = field(default_factory=PredictorConfig)
+
+    def __post_init__(self) -> None:
+        if not self.candidate_tps or any(tp < 1 for tp in self.candidate_tps):
+            raise ValueError(f"candidate_tps={self.candidate_tps} must be a non-empty tuple of positive ints")
+        if len(set(self.candidate_tps)) != len(self.candidate_tps):
+            raise ValueError(f"candidate_tps={self.candidate_tps} has duplicates")
+        for name in ("eval_every_steps",):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
+        for name in ("min_gain_s", "min_gain_ratio", "min_steps_between_switches", "no_return_steps",
+                     "max_reconfigs_per_stage"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name}={getattr(self, name)} must be >= 0")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Option:
+    """One candidate layout as evaluated: predicted remaining seconds after switching, and the switch cost."""
+
+    tp: int
+    remaining_s: float
+    cost: TransitionCost
+    allowed: bool
+    why_not: str
+
+    @property
+    def total_s(self) -> float:
+        return self.remaining_s + self.cost.total_s
+
+
+class Planner:
+    """Decides reconfigurations for one pool. Per stage: `start_stage()`, feed `observe_finished` as requests
+    finish, call `decide(state)` every poll. A returned Decision is assumed applied at `state.step`."""
+
+    def __init__(self, model: LatencyModel, config: PlannerConfig, predictor: LengthPredictor | None = None) -> None:
+        missing = sorted(set(config.candidate_tps) - set(model.tps))
+        if missing:
+            raise ValueError(f"candidate_tps={config.candidate_tps}: tps {missing} are not in the profile "
+                             f"(profiled tps={model.tps})")
+        self.model = model
+        self.config = config
+        self.predictor = predictor or LengthPredictor(config.predictor)
+        self.start_stage()
+
+    def start_stage(self) -> None:
+        """Reset per-stage state (switch history, evaluation clock, batch statistics)."""
+        self.switches: list[tuple[int, int, int]] = []  # (step, tp_src, tp_dst)
+        self.last_options: tuple[Option, ...] = ()
+        self._last_eval_step: int | None = None
+        self.predictor.start_stage()
+
+    @property
+    def num_reconfigs(self) -> int:
+        return len(self.switches)
+
+    def cancel(self, decision: Decision) -> None:
+        """The driver could not apply `decision` (rolled back): forget the switch so hysteresis and the
+        per-stage cap count only switches that happened."""
+        if not self.switches or self.switches[-1] != (decision.step, decision.source_tp, decision.target_tp):
+            raise ValueError(f"decision step={decision.step} tp {decision.source_tp}->{decision.target_tp} is not "
+                             f"the last recorded switch; switches={self.switches}")
+        self.switches.pop()
+
+    def observe_finished(self, prompt_key: str | None, num_output_tokens: int) -> None:
+        """A request of this stage finished with `num_output_tokens` tokens."""
+        self.predictor.observe_finished(prompt_key, num_output_tokens)
+
+    def observe_history(self, prompt_key: str, num_output_tokens: int) -> None:
+        """A response length of `prompt_key` from an earlier RL iteration."""
+        self.predictor.observe(prompt_key, num_output_tokens)
+
+    def predict_remaining(self, state: ClusterState) -> dict[str, int]:
+        """Predicted remaining output tokens of every unfinished request."""
+        self.predictor.set_running(r.num_output_tokens for r in state.requests)
+        return {r.request_id: self.predictor.predict_remaining(r.num_output_tokens, r.max_new_tokens, r.prompt_key)
+                for r in state.requests}
+
+    def evaluate(self, state: ClusterState) -> tuple[float, tuple[Option, ...]]:
+        """Predicted remaining seconds if we stay, and every candidate layout (no evaluation clock)."""
+        pred = self.predict_remaining(state)
+        remaining = [pred[r.request_id] for r in state.requests]
+        tokens = [r.num_tokens for r in state.requests]
+        reps = [r.replica for r in state.requests]
+        known = None if any(x is None for x in reps) else [int(x) for x in reps]  # type: ignore[arg-type]
+        now_s = drain_s(self.model, tp=state.tp, num_devices=state.num_devices, remaining=remaining,
+                        num_tokens=tokens, replicas=known)
+        options = []
+        for tp in sorted(self.config.candidate_tps):
+            if tp == state.tp or state.num_devices % tp:
+                continue
+            why_not = self._why_not(state, tp)
+            remaining_s = drain_s(self.model, tp=tp, num_devices=state.num_devices, remaining=remaining,
+                                  num_tokens=tokens)
+            cost = transition_cost(self.model, num_devices=state.num_devices, tp_src=state.tp, tp_dst=tp,
+                                   num_tokens=tokens)
+            options.append(Option(tp=tp, remaining_s=remaining_s, cost=cost, allowed=not why_not, why_not=why_not))
+        return now_s, tuple(options)
+
+    def _why_not(self, state: ClusterState, tp: int) -> str:
+        cfg = self.config
+        if cfg.only_grow and tp < state.tp:
+            return "only_grow"
+        if len(self.switches) >= cfg.max_reconfigs_per_stage:
+            return f"max_reconfigs_per_stage={cfg.max_reconfigs_per_stage} reached"
+        if self.switches and state.step - self.switches[-1][0] < cfg.min_steps_between_switches:
+            return (f"last switch at step {self.switches[-1][0]} < "
+                    f"min_steps_between_switches={cfg.min_steps_between_switches} ago")
+        for step, src, _ in reversed(self.switches):
+            if src == tp and state.step - step < cfg.no_return_steps:
+                return f"left tp={tp} at step {step} < no_return_steps={cfg.no_return_steps} ago"
+        return ""
+
+    def decide(self, state: ClusterState) -> Decision | None:
+        """A reconfiguration to apply now, or None. Evaluates at most once per eval_every_steps steps."""
+        cfg = self.config
+        if not state.requests:
+            return None
+        if self._last_eval_step is not None and state.step - self._last_eval_step < cfg.eval_every_steps:
+            return None
+        self._last_eval_step = state.step
+        if not any(not self._why_not(state, tp) for tp in cfg.candidate_tps
+                   if tp != state.tp and state.num_devices % tp == 0):
+            return None  # nothing allowed: skip the estimate
+        now_s, options = self.evaluate(state)
+        self.last_options = options
+        allowed = [o for o in options if o.allowed]
+        if not allowed:
+            return None
+        best = min(allowed, key=lambda o: (o.total_s, o.tp))
+        margin = max(cfg.min_gain_s, cfg.min_gain_ratio * now_s)
+        saving = now_s - best.total_s
+        if saving <= margin:
+            logger.debug("step %d: stay at tp=%d (best tp=%d saves %.3fs <= margin %.3fs)", state.step, state.tp,
+                         best.tp, saving, margin)
+            return None
+        reason = (f"{len(state.requests)} requests left: tp={state.tp} needs {now_s:.2f}s, tp={best.tp} needs "
+                  f"{best.remaining_s:.2f}s + {best.cost.total_s:.3f}s overhead (reshard {best.cost.reshard_s:.3f}s, "
+                  f"kv {best.cost.kv_s:.3f}s, switch {best.cost.switch_s:.3f}s); saving {saving:.2f}s > margin "
+                  f"{margin:.2f}s")
+        self.switches.append((state.step, state.tp, best.tp))
+        return Decision(step=state.step, source_tp=state.tp, target_tp=best.tp, predicted_remaining_now_s=now_s,
+                        predicted_remaining_target_s=best.remaining_s, predicted_overhead_s=best.cost.total_s,
+                        reason=reason)

@@ -1,0 +1,71 @@
+"""What the planner sees (ClusterState) and what it answers (Decision). Frozen records, pure stdlib."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ReqProgress:
+    """One unfinished request. `replica` is the index of the TP group holding it now (None if unknown: the
+    estimator then assumes a balanced assignment). `prompt_key` identifies the prompt across RL iterations."""
+
+    request_id: str
+    prompt_key: str | None
+    num_prompt_tokens: int
+    num_output_tokens: int
+    max_new_tokens: int
+    replica: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.num_prompt_tokens < 0 or self.num_output_tokens < 0 or self.max_new_tokens < 1:
+            raise ValueError(f"request {self.request_id!r}: num_prompt_tokens={self.num_prompt_tokens}, "
+                             f"num_output_tokens={self.num_output_tokens} must be >= 0 and "
+                             f"max_new_tokens={self.max_new_tokens} >= 1")
+        if self.num_output_tokens >= self.max_new_tokens:
+            raise ValueError(f"request {self.request_id!r} is finished: num_output_tokens={self.num_output_tokens}"
+                             f" >= max_new_tokens={self.max_new_tokens}")
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens with KV: prompt plus generated."""
+        return self.num_prompt_tokens + self.num_output_tokens
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ClusterState:
+    """Snapshot of one generation stage: `step` decode steps since the stage started (the most any replica ran),
+    `num_devices` devices in `num_devices // tp` TP groups of size `tp`, and the unfinished requests."""
+
+    step: int
+    num_devices: int
+    tp: int
+    requests: tuple[ReqProgress, ...]
+
+    def __post_init__(self) -> None:
+        if self.tp < 1 or self.num_devices % self.tp:
+            raise ValueError(f"tp={self.tp} must divide num_devices={self.num_devices}")
+        if self.step < 0:
+            raise ValueError(f"step={self.step} must be >= 0")
+
+    @property
+    def num_replicas(self) -> int:
+        return self.num_devices // self.tp
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Decision:
+    """Reconfigure from `source_tp` to `target_tp` now. Times are predictions in seconds: remaining generation
+    time if we stay, remaining time after the switch (excluding overhead), and the switch overhead."""
+
+    step: int
+    source_tp: int
+    target_tp: int
+    predicted_remaining_now_s: float
+    predicted_remaining_target_s: float
+    predicted_overhead_s: float
+    reason: str
+
+    @property
+    def predicted_saving_s(self) -> float:
+        return self.predicted_remaining_now_s - self.predicted_remaining_target_s - self.predicted_overhead_s

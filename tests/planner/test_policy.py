@@ -1,0 +1,115 @@
+from __future__ import annotations
+
+import pytest
+
+from pat_rollout.planner import ClusterState, Planner, PlannerConfig, ReqProgress
+from pat_rollout.profile.model import LatencyModel
+
+M = 16384
+
+
+@pytest.fixture(scope="module")
+def h100() -> LatencyModel:
+    return LatencyModel.from_json("h100_llama31_8b")
+
+
+def _reqs(n: int, g: int, key: str) -> tuple[ReqProgress, ...]:
+    return tuple(ReqProgress(request_id=f"{key}{i}", prompt_key=key, num_prompt_tokens=200, num_output_tokens=g,
+                             max_new_tokens=M) for i in range(n))
+
+
+def _planner(model: LatencyModel, **kw) -> Planner:
+    p = Planner(model, PlannerConfig(candidate_tps=(1, 2, 4, 8), **kw))
+    for _ in range(8):
+        p.observe_history("long", 12000)  # earlier iterations: this prompt runs ~12k tokens
+        p.observe_history("short", 2000)
+    return p
+
+
+def drained(step: int, tp: int) -> ClusterState:
+    return ClusterState(step=step, num_devices=8, tp=tp, requests=_reqs(4, 2000, "long"))
+
+
+def full(step: int, tp: int) -> ClusterState:
+    return ClusterState(step=step, num_devices=8, tp=tp, requests=_reqs(1024, 100, "short"))
+
+
+def test_reconfigures_when_batch_drains_to_few_long_requests(h100: LatencyModel) -> None:
+    d = _planner(h100).decide(drained(3000, 1))
+    assert d is not None and d.source_tp == 1 and d.target_tp == 8
+    assert d.predicted_remaining_target_s + d.predicted_overhead_s < d.predicted_remaining_now_s
+    assert d.predicted_saving_s > 0.5 and "4 requests left" in d.reason
+
+
+def test_no_reconfiguration_when_overhead_exceeds_benefit(h100: LatencyModel) -> None:
+    d = h100.to_dict()
+    d["group_switch_s"] = 1000.0
+    p = _planner(LatencyModel.from_dict(d))
+    assert p.decide(drained(3000, 1)) is None
+    best = min(p.last_options, key=lambda o: o.remaining_s)
+    assert best.tp == 8 and best.cost.total_s > 1000  # the layout itself is faster; the switch is not worth it
+
+
+def test_full_uniform_batch_stays_put(h100: LatencyModel) -> None:
+    p = _planner(h100)
+    assert p.decide(full(0, 2)) is None
+    assert p.num_reconfigs == 0
+
+
+def test_respects_eval_every_steps(h100: LatencyModel) -> None:
+    p = _planner(h100, eval_every_steps=64)
+    assert p.decide(full(0, 2)) is None
+    assert p.decide(drained(10, 2)) is None  # would switch, but not evaluated 10 steps after the last evaluation
+    assert p.decide(drained(63, 2)) is None
+    d = p.decide(drained(64, 2))
+    assert d is not None and d.step == 64 and d.target_tp == 8
+
+
+def test_never_flaps(h100: LatencyModel) -> None:
+    cfg = dict(eval_every_steps=1, min_steps_between_switches=50, only_grow=False, no_return_steps=400,
+               max_reconfigs_per_stage=100)
+    p = _planner(h100, **cfg)
+    tp, switches = 1, []
+    for step in range(0, 2000, 5):
+        state = (drained if (step // 5) % 2 == 0 else full)(step, tp)  # alternately favour big and small TP
+        d = p.decide(state)
+        if d is not None:
+            switches.append((step, tp, d.target_tp))
+            tp = d.target_tp
+    assert switches, "the alternating states should trigger at least one switch"
+    for i, (s, src, dst) in enumerate(switches):
+        if i:
+            assert s - switches[i - 1][0] >= 50
+        for s2, _, dst2 in switches[i + 1:]:
+            assert not (dst2 == src and s2 - s < 400), f"returned to tp={src} {s2 - s} steps after leaving it"
+    assert switches == p.switches
+
+
+def test_only_grow_and_max_reconfigs(h100: LatencyModel) -> None:
+    p = _planner(h100, eval_every_steps=1, min_steps_between_switches=0, max_reconfigs_per_stage=1)
+    now_s, options = p.evaluate(full(0, 8))
+    assert min(o.total_s for o in options) < now_s / 1.2  # a smaller TP is faster for a full batch...
+    assert all(o.why_not == "only_grow" for o in options)
+    assert p.decide(full(0, 8)) is None  # ...but only_grow
+    assert p.decide(drained(1, 1)) is not None
+    assert p.decide(drained(2, 1)) is None  # cap reached
+    p.start_stage()
+    d = p.decide(drained(0, 1))
+    assert p.num_reconfigs == 1 and d is not None
+    p.cancel(d)  # the driver rolled the switch back
+    assert p.num_reconfigs == 0 and p.decide(drained(1, 1)) is not None
+    with pytest.raises(ValueError, match="not the last recorded switch"):
+        p.cancel(d)
+
+
+def test_config_validation(h100: LatencyModel) -> None:
+    with pytest.raises(ValueError, match="candidate_tps"):
+        PlannerConfig(candidate_tps=())
+    with pytest.raises(ValueError, match="eval_every_steps=0"):
+        PlannerConfig(candidate_tps=(1,), eval_every_steps=0)
+    with pytest.raises(ValueError, match=r"tps \[3\] are not in the profile"):
+        Planner(h100, PlannerConfig(candidate_tps=(1, 3)))
+    with pytest.raises(ValueError, match="must divide num_devices"):
+        ClusterState(step=0, num_devices=8, tp=3, requests=())
+    with pytest.raises(ValueError, match="is finished"):
+        ReqProgress(request_id="r", prompt_key=None, num_prompt_tokens=1, num_output_tokens=5, max_new_tokens=5)
