@@ -14,17 +14,27 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True, slots=True)
 class TPContext:
-    """Rank `rank` of a TP group of `size` ranks. `group` None means torch's default group
-    (only consulted when size > 1). Collectives are no-ops at size 1, so TP=1 needs no
-    torch.distributed initialisation."""
+    """TP rank `rank` of a group of `size` ranks. `group` None means torch's default group (only
+    consulted when size > 1). Collectives are no-ops at size 1, so TP=1 needs no torch.distributed.
+
+    `global_ranks[r]` is the global rank holding TP rank r. Process groups are shared by every
+    layout over the same devices, and torch numbers group members by global rank, so when the TP
+    order differs from that (in-place layout transitions) all_gather reorders to TP order.
+    None means TP rank == group rank.
+    """
 
     rank: int = 0
     size: int = 1
     group: ProcessGroup | None = None
+    global_ranks: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.size < 1 or not 0 <= self.rank < self.size:
             raise ValueError(f"tp_rank={self.rank} out of range for tp_size={self.size}")
+        if self.global_ranks is not None:
+            object.__setattr__(self, "global_ranks", tuple(self.global_ranks))
+            if len(self.global_ranks) != self.size or len(set(self.global_ranks)) != self.size:
+                raise ValueError(f"global_ranks={self.global_ranks} must list {self.size} distinct ranks")
 
     @classmethod
     def from_group(cls, group: ProcessGroup | None = None) -> TPContext:
@@ -42,5 +52,8 @@ class TPContext:
         if self.size == 1:
             return t
         parts = [torch.empty_like(t) for _ in range(self.size)]
-        dist.all_gather(parts, t.contiguous(), group=self.group)
+        dist.all_gather(parts, t.contiguous(), group=self.group)  # parts in group-rank order
+        if self.global_ranks is not None:
+            group_rank = {g: i for i, g in enumerate(sorted(self.global_ranks))}
+            parts = [parts[group_rank[g]] for g in self.global_ranks]
         return torch.cat(parts, dim=dim)

@@ -6,6 +6,7 @@ import json
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from pat_rollout.engine.ref.sequence import max_cached_tokens
 from pat_rollout.types import ModelSpec
 
 DTYPES = ("float32", "float64", "bfloat16")
@@ -69,3 +70,19 @@ class RefEngineConfig:
 def rope_parameters(cfg: dict) -> dict:
     """RoPE settings: transformers 5 nests them in rope_parameters, older configs use rope_scaling."""
     return cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+
+
+def check_request(request_id: str, prompt: tuple[int, ...], max_new_tokens: int, spec: ModelSpec,
+                  config: RefEngineConfig) -> None:
+    """ValueError if a request can never run: bad token ids, too long, or more KV than the pool."""
+    if bad := [t for t in prompt if not 0 <= t < spec.vocab_size]:
+        raise ValueError(f"request {request_id!r}: token ids {bad[:8]} outside vocab [0, {spec.vocab_size})")
+    total = len(prompt) + max_new_tokens
+    if total > spec.max_position_embeddings:
+        raise ValueError(f"request {request_id!r}: prompt {len(prompt)} + max_new_tokens {max_new_tokens} = "
+                         f"{total} > max_position_embeddings={spec.max_position_embeddings}")
+    need = -(-max_cached_tokens(len(prompt), max_new_tokens) // config.block_size)
+    if need > config.num_kv_blocks:
+        raise ValueError(f"request {request_id!r} can never fit: needs {need} KV blocks (prompt {len(prompt)} + "
+                         f"max_new_tokens {max_new_tokens} - 1 tokens, block_size {config.block_size}) but the pool "
+                         f"has num_kv_blocks={config.num_kv_blocks}")

@@ -45,7 +45,8 @@ def iter_safetensors(model_path: str | Path) -> Iterator[tuple[str, torch.Tensor
                 yield name, f.get_tensor(name)
 
 
-def empty_shards(specs: dict[str, ShardSpec], tp_rank: int, tp_size: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+def empty_shards(specs: dict[str, ShardSpec], tp_rank: int, tp_size: int,
+                 dtype: torch.dtype) -> dict[str, torch.Tensor]:
     # Zeros, not empty: vocab padding rows must stay zero (they never win argmax after slicing anyway).
     return {n: torch.zeros(s.local_shape(tp_rank, tp_size), dtype=dtype) for n, s in specs.items()}
 
@@ -71,7 +72,8 @@ def load_full_tensor(shards: dict[str, torch.Tensor], specs: dict[str, ShardSpec
         expected = spec.shape[: spec.dim] + (parts[part].size,) + spec.shape[spec.dim + 1 :]
         # Vocab rows are padded in the spec but not in the checkpoint.
         if tuple(full.shape) != expected and not (len(parts) == 1 and full.shape[spec.dim] <= expected[spec.dim]):
-            raise ValueError(f"{name}: shape {tuple(full.shape)} != expected {expected} (partition {part} of {shard_name})")
+            raise ValueError(f"{name}: shape {tuple(full.shape)} != expected {expected} "
+                             f"(partition {part} of {shard_name})")
         intervals = shard_intervals(spec, tp_rank, tp_size)
         part_offset = sum(p.size for p in parts[:part])
         local_offset = sum(hi - lo for lo, hi in intervals[:part])
@@ -82,8 +84,8 @@ def load_full_tensor(shards: dict[str, torch.Tensor], specs: dict[str, ShardSpec
     return shard_name, part
 
 
-def load_tensors(shards: dict[str, torch.Tensor], specs: dict[str, ShardSpec], tensors: Iterable[tuple[str, torch.Tensor]],
-                 tp_rank: int, tp_size: int, require_all: bool) -> None:
+def load_tensors(shards: dict[str, torch.Tensor], specs: dict[str, ShardSpec],
+                 tensors: Iterable[tuple[str, torch.Tensor]], tp_rank: int, tp_size: int, require_all: bool) -> None:
     """Load HF-named full tensors; with require_all, ValueError naming any shard left unfilled."""
     filled = {load_full_tensor(shards, specs, n, t, tp_rank, tp_size) for n, t in tensors}
     if require_all:
@@ -91,3 +93,11 @@ def load_tensors(shards: dict[str, torch.Tensor], specs: dict[str, ShardSpec], t
                    for i in range(max(1, len(s.partitions))) if (n, i) not in filled]
         if missing:
             raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:4]}")
+
+
+def load_shards(model_path: str | Path, specs: dict[str, ShardSpec], tp_rank: int, tp_size: int,
+                dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """This rank's shards for layout tp_size, read from a checkpoint (e.g. for RefEngine.set_layout)."""
+    shards = empty_shards(specs, tp_rank, tp_size, dtype)
+    load_tensors(shards, specs, iter_safetensors(model_path), tp_rank, tp_size, require_all=True)
+    return shards
