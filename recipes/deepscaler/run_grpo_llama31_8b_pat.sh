@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# GRPO, Llama-3.1-8B-Instruct, DeepScaleR, 8 GPUs, PAT rollout (TP regrouped during generation).
+# Extra Hydra overrides can be appended: bash run_grpo_llama31_8b_pat.sh trainer.total_training_steps=100
+source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
+MODEL_PATH=${MODEL_PATH:-meta-llama/Llama-3.1-8B-Instruct}
+rollout_args pat "${PAT_INITIAL_TP:-1}"
+launch "${COMMON_ARGS[@]}" \
+    "algorithm.adv_estimator=grpo" \
+    "algorithm.use_kl_in_reward=False" \
+    "actor_rollout_ref.model.path=$MODEL_PATH" \
+    "actor_rollout_ref.actor.use_kl_loss=True" \
+    "actor_rollout_ref.actor.kl_loss_coef=0.001" \
+    "actor_rollout_ref.actor.kl_loss_type=low_var_kl" \
+    "${ROLLOUT_ARGS[@]}" \
+    "trainer.experiment_name=${EXPERIMENT_NAME:-grpo_llama31_8b_pat}" \
+    "$@"
