@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 BACKENDS = ("reference", "sglang")
-POLICIES = ("pat", "static")
+POLICIES = ("pat", "static", "manual")
 KV_HANDOFFS = ("auto", "migrate", "recompute")
 DTYPES = ("float32", "float64", "bfloat16", "float16")
 
@@ -18,7 +18,8 @@ class PatRolloutConfig:
 
     - initial_tp: the layout the stage starts in (num_devices / initial_tp replicas).
     - candidate_tps: TP sizes the planner may switch to; all process groups for them are built at start-up.
-    - policy: "pat" (planner decides) or "static" (never reconfigure: the baseline).
+    - policy: "pat" (planner decides), "static" (never reconfigure: the baseline) or "manual"
+      (only `RolloutDriver.reconfigure(tp)` switches: tests and experiments).
     - kv_handoff: per-request choice between KV migration and recomputation; "auto" uses the cost model.
     - steps_per_poll: decode steps each actor runs per driver RPC; the planner re-evaluates at every poll.
     - planner: options for pat_rollout.planner's PlannerConfig (validated there).

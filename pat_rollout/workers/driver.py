@@ -23,7 +23,7 @@ from pat_rollout.layout import Layout, model_shard_specs
 from pat_rollout.types import ModelSpec, Request, RequestOutput
 from pat_rollout.workers.group import WorkerError, WorkerGroup
 from pat_rollout.workers.metrics import StageMetrics
-from pat_rollout.workers.pat_planner import build_planner, cluster_state
+from pat_rollout.workers.pat_planner import build_planner, cluster_state, handoff_cost, load_profile, prompt_key
 from pat_rollout.workers.reconfigure import ReconfigurationError, Reconfigurer
 
 logger = logging.getLogger(__name__)
@@ -51,12 +51,15 @@ class RolloutDriver:
         engine_cfg = RefEngineConfig(model_path=config.model_path, dtype=config.dtype, max_tp=config.max_tp,
                                      block_size=config.block_size, num_kv_blocks=config.num_kv_blocks,
                                      max_num_seqs=config.max_num_seqs)
+        needs_profile = config.policy == "pat" or (config.kv_handoff == "auto" and len(config.tp_sizes) > 1)
+        self.profile = load_profile(config) if needs_profile else None
+        self.planner = build_planner(config, self.spec, self.profile) if config.policy == "pat" else None
         self.group = WorkerGroup(num_cpus_per_worker=num_cpus_per_worker, world_size=config.num_devices,
                                  engine=engine_cfg, initial_layout=self.base, tp_sizes=config.tp_sizes)
         self.reconfigurer = Reconfigurer(self.group, self.spec, model_shard_specs(self.spec, config.max_tp),
                                          self.base, handoff=config.kv_handoff,
+                                         cost=handoff_cost(self.profile) if self.profile else None,
                                          dtype_bytes=_DTYPE_BYTES[config.dtype])
-        self.planner = build_planner(config, self.spec) if config.policy == "pat" else None
         self._lock = threading.Condition()
         self._inbox: list[tuple[Request, cf.Future]] = []
         self._futures: dict[str, cf.Future] = {}
@@ -232,13 +235,13 @@ class RolloutDriver:
         if self._stage is not None:
             self._stage.response_lengths.append(len(out.token_ids))
         if self.planner is not None and req is not None:
-            self.planner.observe_finished(req, len(out.token_ids))
+            self.planner.observe_finished(prompt_key(req.prompt_token_ids), len(out.token_ids))
         if fut is not None and not fut.done():
             fut.set_result(out)
 
     def _maybe_reconfigure(self) -> None:
         state = cluster_state(self._num_polls * self.config.steps_per_poll, self.config.num_devices,
-                              self.layout.tp_size, self._requests, self._progress)
+                              self.layout.tp_size, self._requests, self._progress, self._assignment)
         decision = self.planner.decide(state)
         if decision is None or decision.target_tp == self.layout.tp_size:
             return

@@ -59,7 +59,7 @@ class Reconfigurer:
         self.shard_specs = shard_specs
         self.base = base
         self.handoff = handoff
-        self.cost = cost or HandoffCost()
+        self.cost = cost
         self.dtype_bytes = dtype_bytes
 
     def run(self, src: Layout, dst_tp: int, old_assignment: dict[str, int]) -> ReconfigResult:
@@ -79,9 +79,7 @@ class Reconfigurer:
             assignment = _balance(states, dst.num_replicas)
             migrated, recomputed = [], []
             for s in states:
-                choice = choose_handoff(s.num_cached_tokens, self.spec.kv_bytes_per_token(1, self.dtype_bytes),
-                                        dst.tp_size, self.handoff, cost=self.cost).method
-                (migrated if choice == "migrate" else recomputed).append(s)
+                (migrated if self._method(s, dst) == "migrate" else recomputed).append(s)
             moves = [(s.request_id, src.groups[old_assignment[s.request_id]], dst.groups[assignment[s.request_id]],
                       s.num_cached_tokens) for s in migrated]
             kv_transfers = plan_kv(moves, self.spec.num_kv_heads)
@@ -121,6 +119,14 @@ class Reconfigurer:
                     time.perf_counter() - t_start, {k: round(v, 4) for k, v in result.phase_s.items()},
                     len(result.migrated), len(result.recomputed))
         return result
+
+    def _method(self, state: RequestState, dst: Layout) -> str:
+        if self.handoff != "auto":
+            return self.handoff
+        if self.cost is None:
+            raise ValueError("kv_handoff='auto' needs a HandoffCost (measured constants from a latency profile)")
+        kv_bytes = self.spec.kv_bytes_per_token(1, self.dtype_bytes)  # every KV head crosses a link once
+        return choose_handoff(state.num_cached_tokens, kv_bytes, dst.tp_size, "auto", cost=self.cost).method.value
 
     def _rollback(self, states: list[RequestState]) -> None:
         devices = range(self.group.num_devices)

@@ -57,12 +57,14 @@ class ShardWorker:
         self.groups = GroupCache(init.backend)
         self.groups.build(reachable_layouts(init.initial_layout, init.tp_sizes))
         self.layout = init.initial_layout
+        self.base = init.initial_layout
         self.engine = RefEngine(init.engine, self._tp_context(self.layout))
         self.transport = GlooTransport(group=None, device_to_group_rank=None)
         self._exported: dict[str, RequestState] = {}
         self._incoming_kv: dict[str, torch.Tensor] = {}
         self._new_shards: dict[str, torch.Tensor] | None = None
         self._fail_phase: str | None = None  # fault injection for tests
+        self._backup_base_weights()
 
     # ---- set-up ---------------------------------------------------------------------------------
     def _tp_context(self, layout: Layout) -> TPContext:
@@ -97,7 +99,16 @@ class ShardWorker:
         return self.engine.abort_all()
 
     def update_weights(self, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
+        if self.layout != self.base:
+            raise RuntimeError(f"device {self.device}: update_weights in layout {self.layout}; the driver must "
+                               f"return to the base layout {self.base} first")
         self.engine.update_weights(named_tensors)
+        self._backup_base_weights()
+
+    def _backup_base_weights(self) -> None:
+        """Host copy of this device's base-layout shard: what a failed reconfiguration rolls back to
+        (SGLang keeps the same backup under verl: enable_weights_cpu_backup)."""
+        self._backup = {name: t.detach().to("cpu", copy=True) for name, t in self.engine.named_shards().items()}
 
     def release(self, tags: list[str]) -> None:
         self.engine.release(tags)
@@ -116,7 +127,9 @@ class ShardWorker:
         """Send/receive KV of migrated requests; returns seconds spent."""
         t0 = time.perf_counter()
         self._maybe_fail("kv")
-        self._incoming_kv = gather_kv(transfers, self.device, self.engine.export_kv, self.transport)
+        spec = self.engine.model_spec
+        self._incoming_kv = gather_kv(transfers, self.device, self.engine.export_kv, self.transport,
+                                      num_layers=spec.num_layers, head_dim=spec.head_dim, dtype=self.engine.dtype)
         return time.perf_counter() - t0
 
     def reshard(self, plan: Any) -> float:
@@ -145,19 +158,34 @@ class ShardWorker:
         self._exported.clear()
         return time.perf_counter() - t0
 
-    def rollback(self, layout: Layout, weights_dir: str | None) -> None:
-        """Return to `layout` after a failed reconfiguration: reload this device's shard from the
-        checkpoint if weights may have changed, then accept re-imported requests (recomputed)."""
+    def rollback(self, layout: Layout) -> None:
+        """Return to the base `layout` after a failed reconfiguration, restoring this device's shard from
+        the host backup; the driver then re-imports every exported request for recomputation."""
+        if layout != self.base:
+            raise ValueError(f"rollback target {layout} is not the base layout {self.base}")
         self._incoming_kv.clear()
         self._new_shards = None
         if self._exported:
             self.engine.free_exported()
             self._exported.clear()
-        tp = self._tp_context(layout)
-        if weights_dir is not None or layout != self.layout:
-            self.engine.set_layout(tp, None)
-            self.engine.reload_weights()
+        self.engine.abort_all()  # anything imported before the failure is re-imported by the driver
+        shards = {name: t.clone() for name, t in self._backup.items()}
+        self.engine.set_layout(self._tp_context(layout), shards)
         self.layout = layout
+
+    def measure_p2p(self, nbytes: int, src: int, dst: int, repeats: int = 3) -> float:
+        """Seconds per one-way message of `nbytes` from `src` to `dst` (profiling KV bandwidth)."""
+        buf = torch.empty(max(1, nbytes // 4), dtype=torch.float32)
+        if self.device not in (src, dst):
+            return 0.0
+        for i in range(repeats + 1):
+            if i == 1:  # the first message is a warm-up (connection set-up)
+                t0 = time.perf_counter()
+            if self.device == src:
+                dist.send(buf, dst)
+            else:
+                dist.recv(buf, src)
+        return (time.perf_counter() - t0) / repeats
 
     def shutdown(self) -> None:
         self.groups.close()

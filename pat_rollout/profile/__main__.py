@@ -1,0 +1,58 @@
+"""Offline profiler CLI: measure decode/prefill/transfer/reconfiguration costs on the worker pool.
+
+    python -m pat_rollout.profile --tiny llama-demo --devices 2 --tps 1,2 --out profile.json
+    python -m pat_rollout.profile --model-path /path/to/hf_model --devices 2 --tps 1,2 --out profile.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+from pathlib import Path
+
+
+def _ints(s: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in s.split(",") if x)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description="Measure a PAT latency profile on the reference engine.")
+    src = ap.add_mutually_exclusive_group(required=True)
+    src.add_argument("--model-path", help="HuggingFace checkpoint folder")
+    src.add_argument("--tiny", help="create this tiny preset locally (e.g. llama-demo) and profile it")
+    ap.add_argument("--devices", type=int, default=2)
+    ap.add_argument("--tps", type=_ints, default=(1, 2))
+    ap.add_argument("--batches", type=_ints, default=(1, 4, 16, 32))
+    ap.add_argument("--contexts", type=_ints, default=(32, 128, 512))
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+
+    import ray
+
+    from pat_rollout.models import make_tiny_model
+    from pat_rollout.profile.measure import ProfileGrid, measure_profile
+    from pat_rollout.profile.model import LatencyModel
+    from pat_rollout.workers.driver import read_model_spec
+
+    model_path = args.model_path or str(make_tiny_model(
+        Path(os.path.expanduser("~/.cache/pat_rollout/models")) / args.tiny, args.tiny))
+    spec = read_model_spec(model_path)
+    ray.init(num_cpus=max(args.devices, 2), include_dashboard=False, log_to_driver=False,
+             runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})
+    try:
+        grid = ProfileGrid(tps=args.tps, batches=args.batches, contexts=args.contexts, steps=args.steps)
+        profile = measure_profile(model_path, spec, grid, num_devices=args.devices, dtype=args.dtype)
+    finally:
+        ray.shutdown()
+    LatencyModel.from_dict(profile)  # validate before writing
+    Path(args.out).write_text(json.dumps(profile, indent=1))
+    print(f"wrote {args.out}: {len(profile['decode'])} decode points for TP {list(args.tps)}")
+
+
+if __name__ == "__main__":
+    main()

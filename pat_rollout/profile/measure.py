@@ -1,0 +1,130 @@
+"""Measure a latency profile on the real worker pool (reference engine on CPU, or any backend the
+workers run): decode-step time per (TP, batch, context), prefill throughput, point-to-point KV
+bandwidth and the cost of each reconfiguration phase. Writes the schema of `profile/model.py`."""
+
+from __future__ import annotations
+
+import logging
+import platform
+import random
+import time
+from dataclasses import dataclass
+
+from pat_rollout.engine.ref.config import RefEngineConfig
+from pat_rollout.layout import Layout, model_shard_specs
+from pat_rollout.profile.model import SCHEMA_VERSION
+from pat_rollout.types import ModelSpec, Request, SamplingParams
+
+logger = logging.getLogger(__name__)
+
+_DTYPE_BYTES = {"float32": 4, "float64": 8, "bfloat16": 2, "float16": 2}
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ProfileGrid:
+    tps: tuple[int, ...]
+    batches: tuple[int, ...]
+    contexts: tuple[int, ...]
+    steps: int = 8  # decode steps timed per point
+    p2p_bytes: int = 8 << 20
+
+
+def _requests(tag: str, batch: int, context: int, steps: int, vocab: int, rng: random.Random) -> list[Request]:
+    return [Request(request_id=f"{tag}-{i}", prompt_token_ids=tuple(rng.randrange(3, vocab) for _ in range(context)),
+                    sampling=SamplingParams(max_new_tokens=steps + 4, ignore_eos=True)) for i in range(batch)]
+
+
+def measure_profile(model_path: str, spec: ModelSpec, grid: ProfileGrid, *, num_devices: int, dtype: str = "float32",
+                    block_size: int = 16) -> dict:
+    """Run the grid on a fresh WorkerGroup and return a profile dict (schema_version 1)."""
+    from pat_rollout.workers.group import WorkerGroup
+    from pat_rollout.workers.reconfigure import Reconfigurer
+
+    for tp in grid.tps:
+        spec.check_tp(tp)
+    max_tp = max(grid.tps)
+    need_blocks = max(grid.batches) * -(-(max(grid.contexts) + grid.steps + 8) // block_size) + 8
+    engine = RefEngineConfig(model_path=model_path, dtype=dtype, max_tp=max_tp, block_size=block_size,
+                             num_kv_blocks=need_blocks, max_num_seqs=max(grid.batches),
+                             max_prefill_tokens=max(grid.batches) * max(grid.contexts))
+    base = Layout.uniform(num_devices, min(grid.tps))
+    group = WorkerGroup(world_size=num_devices, engine=engine, initial_layout=base, tp_sizes=grid.tps)
+    reconf = Reconfigurer(group, spec, model_shard_specs(spec, max_tp), base, handoff="recompute",
+                          dtype_bytes=_DTYPE_BYTES[dtype])
+    rng = random.Random(0)
+    decode, prefill, phases = [], [], []
+    layout = base
+    try:
+        for tp in sorted(grid.tps):
+            if layout.tp_size != tp:
+                result = reconf.run(layout, tp, {})
+                phases.append((layout.tp_size, tp, result.phase_s))
+                layout = result.dst
+            devices = list(layout.groups[0])
+            prefill_points = []
+            for batch in grid.batches:
+                for context in grid.contexts:
+                    reqs = _requests(f"p{tp}-{batch}-{context}", batch, context, grid.steps, spec.vocab_size, rng)
+                    group.call(devices, "add_requests", reqs)
+                    t0 = time.perf_counter()
+                    group.call(devices, "step", 1)  # prefill (+ first token)
+                    t1 = time.perf_counter()
+                    group.call(devices, "step", grid.steps)
+                    t2 = time.perf_counter()
+                    group.call(devices, "abort_all")
+                    step_s = (t2 - t1) / grid.steps
+                    decode.append({"tp": tp, "batch": batch, "context": context, "step_s": step_s})
+                    prefill_points.append((batch * context, max(t1 - t0 - step_s, 1e-6)))
+                    logger.info("tp=%d batch=%d context=%d: decode %.2f ms/step, prefill %.1f ms", tp, batch,
+                                context, step_s * 1e3, (t1 - t0) * 1e3)
+            prefill.append(_fit_prefill(tp, prefill_points))
+        bandwidth, latency = _measure_p2p(group, num_devices, grid.p2p_bytes)
+        while layout.tp_size != base.tp_size:  # measure the shrink path too, back to the base layout
+            result = reconf.run(layout, base.tp_size, {})
+            phases.append((layout.tp_size, base.tp_size, result.phase_s))
+            layout = result.dst
+    finally:
+        group.shutdown()
+    return {
+        "schema_version": SCHEMA_VERSION,
+        "meta": {"hardware": f"{platform.processor() or platform.machine()} CPU, {num_devices} Ray actors (1 thread each)",
+                 "model": model_path.rstrip("/").split("/")[-1], "backend": "reference", "source": "measured",
+                 "notes": f"measured by python -m pat_rollout.profile on {time.strftime('%Y-%m-%d')}; gloo over "
+                          f"loopback; reconfiguration phases {[(a, b, {k: round(v, 4) for k, v in p.items()}) for a, b, p in phases]}"},
+        "model": {"num_layers": spec.num_layers, "hidden_size": spec.hidden_size, "num_heads": spec.num_heads,
+                  "num_kv_heads": spec.num_kv_heads, "head_dim": spec.head_dim,
+                  "param_bytes": spec.num_params() * _DTYPE_BYTES[dtype], "dtype_bytes": _DTYPE_BYTES[dtype]},
+        "decode": decode,
+        "prefill": prefill,
+        "kv_transfer": {"bandwidth_bytes_per_s": bandwidth, "latency_s": latency},
+        "reshard": _fit_reshard(phases, spec, dtype),
+        "group_switch_s": max([p.get("switch", 0.0) for _, _, p in phases] or [0.0]),
+    }
+
+
+def _fit_prefill(tp: int, points: list[tuple[int, float]]) -> dict:
+    """tokens/s from the two extreme points; fixed_s is the intercept (>= 0)."""
+    points.sort()
+    (n0, t0), (n1, t1) = points[0], points[-1]
+    rate = (n1 - n0) / max(t1 - t0, 1e-9) if n1 > n0 else n1 / t1
+    return {"tp": tp, "tokens_per_s": rate, "fixed_s": max(0.0, t0 - n0 / rate)}
+
+
+def _fit_reshard(phases: list[tuple[int, int, dict]], spec: ModelSpec, dtype: str) -> dict:
+    grow = [p.get("reshard", 0.0) + p.get("kv_handoff", 0.0) for a, b, p in phases if b > a]
+    shrink = [(a, b, p.get("reshard", 0.0)) for a, b, p in phases if b < a]
+    fixed = min(grow) if grow else 0.0
+    bandwidth = 1e9
+    if shrink:
+        a, b, t = shrink[0]
+        moved = spec.num_params() * _DTYPE_BYTES[dtype] * (1 / b - 1 / a)
+        bandwidth = moved / max(t - fixed, 1e-6)
+    return {"bandwidth_bytes_per_s": bandwidth, "fixed_s": fixed}
+
+
+def _measure_p2p(group, num_devices: int, nbytes: int) -> tuple[float, float]:
+    if num_devices < 2:
+        return 1e9, 1e-4
+    small = group.call([0, 1], "measure_p2p", 64, 0, 1)[1]  # receiver-side time
+    big = group.call([0, 1], "measure_p2p", nbytes, 0, 1)[1]
+    return nbytes / max(big - small, 1e-9), small

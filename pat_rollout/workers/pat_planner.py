@@ -1,0 +1,75 @@
+"""Glue between the driver and the pure planner: profile loading, planner construction, the
+hand-off cost model from the same profile, and ClusterState from the driver's bookkeeping."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+from collections.abc import Mapping
+from pathlib import Path
+
+from pat_rollout.config import PatRolloutConfig
+from pat_rollout.engine.base import RunningInfo
+from pat_rollout.kv.cost import HandoffCost
+from pat_rollout.planner import ClusterState, Planner, PlannerConfig, ReqProgress
+from pat_rollout.profile.model import BUILTIN_PROFILES, DATA_DIR, LatencyModel
+from pat_rollout.types import ModelSpec, Request
+
+# The profile measured on this project's CPU machines with `python -m pat_rollout.profile`.
+DEFAULT_PROFILE = {"reference": "cpu_ref_llama_demo", "sglang": "h100_llama31_8b"}
+
+
+def load_profile(config: PatRolloutConfig) -> LatencyModel:
+    """config.profile_path (a file or a builtin name), else the backend's default profile."""
+    name = config.profile_path or DEFAULT_PROFILE[config.backend]
+    if name in BUILTIN_PROFILES:
+        return LatencyModel.from_json(DATA_DIR / BUILTIN_PROFILES[name])
+    if (DATA_DIR / f"{name}.json").is_file():
+        return LatencyModel.from_json(DATA_DIR / f"{name}.json")
+    if not Path(name).is_file():
+        raise ValueError(f"profile {name!r} is neither a file nor a builtin profile "
+                         f"({sorted(BUILTIN_PROFILES)} or data/*.json); make one with `python -m pat_rollout.profile`")
+    return LatencyModel.from_json(name)
+
+
+def build_planner(config: PatRolloutConfig, spec: ModelSpec, model: LatencyModel | None = None) -> Planner:
+    model = model or load_profile(config)
+    missing = [tp for tp in config.tp_sizes if tp not in model.tps]
+    if missing:
+        raise ValueError(f"profile {model.meta.get('model')!r} has no decode points for TP sizes {missing}; "
+                         f"it covers {list(model.tps)}")
+    allowed = {f.name for f in dataclasses.fields(PlannerConfig)} - {"candidate_tps"}
+    unknown = sorted(set(config.planner) - allowed)
+    if unknown:
+        raise ValueError(f"unknown planner option(s) {unknown}; allowed: {sorted(allowed)}")
+    return Planner(model, PlannerConfig(candidate_tps=config.tp_sizes, **config.planner))
+
+
+def handoff_cost(model: LatencyModel) -> HandoffCost:
+    """KV migration vs recomputation constants from the profile the planner uses."""
+    d = model.to_dict()
+    prefill = tuple((p["tp"], p["tokens_per_s"]) for p in d["prefill"])
+    fixed = min(p.get("fixed_s", 0.0) for p in d["prefill"])
+    return HandoffCost(link_bytes_per_s=d["kv_transfer"]["bandwidth_bytes_per_s"],
+                       per_transfer_latency_s=d["kv_transfer"]["latency_s"],
+                       prefill_tokens_per_s=prefill, prefill_latency_s=fixed)
+
+
+def prompt_key(prompt_token_ids: tuple[int, ...]) -> str:
+    """Stable id of a prompt across RL iterations (history for the length predictor)."""
+    return hashlib.blake2b(repr(prompt_token_ids).encode(), digest_size=8).hexdigest()
+
+
+def cluster_state(step: int, num_devices: int, tp: int, requests: Mapping[str, Request],
+                  progress: Mapping[str, RunningInfo], assignment: Mapping[str, int] | None = None) -> ClusterState:
+    reqs = []
+    for rid, req in sorted(requests.items()):
+        info = progress.get(rid)
+        done = info.num_output_tokens if info else 0
+        if done >= req.sampling.max_new_tokens:
+            continue
+        reqs.append(ReqProgress(request_id=rid, prompt_key=prompt_key(req.prompt_token_ids),
+                                num_prompt_tokens=len(req.prompt_token_ids), num_output_tokens=done,
+                                max_new_tokens=req.sampling.max_new_tokens,
+                                replica=assignment.get(rid) if assignment else None))
+    return ClusterState(step=step, num_devices=num_devices, tp=tp, requests=tuple(reqs))
