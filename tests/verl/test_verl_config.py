@@ -7,7 +7,7 @@ import os
 import pytest
 
 pytest.importorskip("verl")
-from conftest import compose_ppo  # noqa: E402  (tests/verl/conftest.py)
+from verl_helpers import compose_ppo  # noqa: E402
 
 from pat_rollout.config import PatRolloutConfig  # noqa: E402
 from pat_rollout.verl.config import ALLOWED_KEYS, from_verl  # noqa: E402

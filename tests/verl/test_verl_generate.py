@@ -15,7 +15,7 @@ import pytest
 
 pytest.importorskip("verl")
 pytest.importorskip("fastapi")
-from conftest import compose_ppo  # noqa: E402
+from verl_helpers import compose_ppo  # noqa: E402
 
 pytestmark = [pytest.mark.verl, pytest.mark.ray, pytest.mark.slow]
 
