@@ -1,0 +1,58 @@
+"""The planner drives the real engine pool: with a profile in which TP2 wins once the batch drains,
+PAT switches 2xTP1 -> 1xTP2 by itself mid-stage, and outputs equal a static run."""
+
+from __future__ import annotations
+
+import pytest
+from pool_helpers import pool_config, skewed_requests
+
+from pat_rollout.workers.driver import RolloutDriver
+
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
+
+PLANNER = {"eval_every_steps": 2, "min_steps_between_switches": 2, "min_gain_s": 0.0, "min_gain_ratio": 0.0}
+
+
+def test_planner_reconfigures_when_batch_drains(ray_cluster, tiny_models, tiny_profile):
+    requests = skewed_requests(n=8, long_len=64)
+    static = RolloutDriver(pool_config(tiny_models["llama"], policy="static"))
+    try:
+        reference = static.generate(requests)
+    finally:
+        static.shutdown()
+    driver = RolloutDriver(pool_config(tiny_models["llama"], policy="pat", profile_path=tiny_profile,
+                                       planner=PLANNER))
+    try:
+        outputs = driver.generate(requests)
+        metrics = driver.stage_metrics()
+        second = driver.generate(requests[:3])  # a new stage starts again from the base layout
+        metrics2 = driver.stage_metrics()
+    finally:
+        driver.shutdown()
+    assert [o.token_ids for o in outputs] == [o.token_ids for o in reference]
+    assert metrics["pat/num_reconfigs"] >= 1, metrics
+    layouts = metrics["pat/layouts"]
+    assert layouts.startswith("2xTP1") and "1xTP2" in layouts, layouts
+    assert metrics["pat/tail_time_after_switch_s"] > 0
+    assert metrics2["pat/layouts"].startswith("2xTP1"), metrics2
+    assert [o.token_ids for o in second] == [o.token_ids for o in reference[:3]]
+
+
+def test_planner_stays_when_overhead_exceeds_benefit(ray_cluster, tiny_models, tmp_path):
+    from pool_helpers import write_profile
+
+    # TP1 is the fast layout in this profile: switching can only lose, so PAT must not reconfigure.
+    profile = write_profile(tmp_path / "tp1_fast.json", fast_tp=1)
+    driver = RolloutDriver(pool_config(tiny_models["llama"], policy="pat", profile_path=profile, planner=PLANNER))
+    try:
+        driver.generate(skewed_requests(n=6, long_len=32))
+        metrics = driver.stage_metrics()
+    finally:
+        driver.shutdown()
+    assert metrics["pat/num_reconfigs"] == 0, metrics
+
+
+def test_unknown_planner_option_is_rejected(tiny_models, tiny_profile):
+    with pytest.raises(ValueError, match=r"unknown planner option\(s\) \['bogus'\]"):
+        RolloutDriver(pool_config(tiny_models["llama"], policy="pat", profile_path=tiny_profile,
+                                  planner={"bogus": 1}))
