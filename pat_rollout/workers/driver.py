@@ -18,7 +18,7 @@ from typing import Any
 
 from pat_rollout.config import PatRolloutConfig
 from pat_rollout.engine.base import RunningInfo
-from pat_rollout.engine.ref.config import RefEngineConfig
+from pat_rollout.engine.ref.config import RefEngineConfig, check_request
 from pat_rollout.layout import Layout, model_shard_specs
 from pat_rollout.types import ModelSpec, Request, RequestOutput
 from pat_rollout.workers.group import WorkerError, WorkerGroup
@@ -48,7 +48,7 @@ class RolloutDriver:
             self.spec.check_tp(tp)  # fail before starting any actor
         self.base = Layout.uniform(config.num_devices, config.initial_tp)
         self.layout = self.base
-        engine_cfg = RefEngineConfig(model_path=config.model_path, dtype=config.dtype, max_tp=config.max_tp,
+        self.engine_config = engine_cfg = RefEngineConfig(model_path=config.model_path, dtype=config.dtype, max_tp=config.max_tp,
                                      block_size=config.block_size, num_kv_blocks=config.num_kv_blocks,
                                      max_num_seqs=config.max_num_seqs)
         needs_profile = config.policy == "pat" or (config.kv_handoff == "auto" and len(config.tp_sizes) > 1)
@@ -69,13 +69,21 @@ class RolloutDriver:
         self._stage: StageMetrics | None = None
         self._last_stage: StageMetrics | None = None
         self._num_polls = 0
-        self._last_reconfig_poll = -10**9
+        self._manual_tp: int | None = None  # a pending reconfigure(tp) call
+        self._manual_err: Exception | None = None
+        self._abort = False
+        self._aborted: list[RequestOutput] = []
+        self.last_reconfig = None  # ReconfigResult of the latest switch
         self._stop = False
         self._thread = threading.Thread(target=self._loop, name="pat-driver", daemon=True)
         self._thread.start()
 
     # ---- public API -------------------------------------------------------------------------------
     def submit(self, request: Request) -> cf.Future:
+        """Queue `request`; the future resolves to its RequestOutput. Requests that can never run
+        (too long, token ids outside the vocab, more KV than a device holds) raise ValueError here."""
+        check_request(request.request_id, request.prompt_token_ids, request.sampling.max_new_tokens, self.spec,
+                      self.engine_config)
         fut: cf.Future = cf.Future()
         with self._lock:
             if self._stop:
@@ -92,13 +100,16 @@ class RolloutDriver:
 
     def reconfigure(self, tp: int) -> None:
         """Switch layout now (between polls). Mostly for tests and demos; the planner calls it itself."""
+        if tp not in self.config.tp_sizes:
+            raise ValueError(f"tp={tp} is not one of this pool's TP sizes {self.config.tp_sizes} "
+                             f"(policy={self.config.policy!r}); their groups are built at start-up")
         with self._lock:
             self._manual_tp = tp
             self._lock.notify_all()
         while True:
             with self._lock:
-                if getattr(self, "_manual_tp", None) is None:
-                    err = getattr(self, "_manual_err", None)
+                if self._manual_tp is None:
+                    err = self._manual_err
                     self._manual_err = None
                     break
             time.sleep(0.005)
@@ -124,7 +135,7 @@ class RolloutDriver:
             self._abort = True
             self._lock.notify_all()
         self._wait_idle()
-        return getattr(self, "_aborted", [])
+        return self._aborted
 
     def stage_metrics(self) -> dict[str, Any]:
         stage = self._last_stage or self._stage
@@ -144,24 +155,24 @@ class RolloutDriver:
     def _wait_idle(self) -> None:
         while True:
             with self._lock:
-                if not self._inbox and not self._futures and not getattr(self, "_abort", False):
+                if not self._inbox and not self._futures and not self._abort:
                     return
             time.sleep(0.01)
 
     def _loop(self) -> None:
         while True:
             with self._lock:
-                while not (self._inbox or self._futures or self._stop or getattr(self, "_manual_tp", None)
-                           or getattr(self, "_abort", False)):
+                while not (self._inbox or self._futures or self._stop or self._manual_tp
+                           or self._abort):
                     self._lock.wait()
                 if self._stop:
                     return
                 new, self._inbox = self._inbox, []
             try:
-                if getattr(self, "_abort", False):
+                if self._abort:
                     self._do_abort(new)
                     continue
-                if getattr(self, "_manual_tp", None):
+                if self._manual_tp:
                     self._manual_reconfigure()
                 if new and not self._futures:
                     self._start_stage()
@@ -261,6 +272,7 @@ class RolloutDriver:
             self._stage.record_layout(str(self.layout))
             raise
         self.layout = result.dst
+        self.last_reconfig = result
         self._assignment = {rid: result.assignment[rid] for rid in self._assignment}
         self._stage.num_reconfigs += 1
         self._stage.num_migrated += len(result.migrated)
@@ -274,14 +286,17 @@ class RolloutDriver:
         tp = self._manual_tp
         err = None
         try:
+            if tp == self.layout.tp_size:
+                return
             if self._stage is None:
                 self._stage = StageMetrics()
             self._apply_reconfigure(tp)
         except Exception as e:
             err = e
-        with self._lock:
-            self._manual_err = err
-            self._manual_tp = None
+        finally:
+            with self._lock:
+                self._manual_err = err
+                self._manual_tp = None
 
     def _do_abort(self, new: list[tuple[Request, cf.Future]]) -> None:
         outs = []

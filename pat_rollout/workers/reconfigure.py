@@ -36,6 +36,7 @@ class ReconfigResult:
     assignment: dict[str, int] = field(default_factory=dict)  # request id -> new replica
     migrated: tuple[str, ...] = ()
     recomputed: tuple[str, ...] = ()
+    total_s: float = 0.0
 
 
 def _balance(states: list[RequestState], num_replicas: int) -> dict[str, int]:
@@ -115,6 +116,7 @@ class Reconfigurer:
         result.assignment = assignment
         result.migrated = tuple(s.request_id for s in migrated)
         result.recomputed = tuple(s.request_id for s in recomputed)
+        result.total_s = time.perf_counter() - t_start
         logger.info("reconfigured %s -> %s in %.3f s: %s; %d migrated, %d recomputed", src, dst,
                     time.perf_counter() - t_start, {k: round(v, 4) for k, v in result.phase_s.items()},
                     len(result.migrated), len(result.recomputed))

@@ -1,0 +1,240 @@
+"""pat_rollout's Engine protocol on one real SGLang engine (one replica: `tp_size` scheduler processes).
+
+Recompute path: `export_requests` aborts the chosen requests and takes the exact tokens and log-probs SGLang returns with the abort; `import_requests` resubmits prompt + generated
+tokens with the remaining budget, so the receiving engine re-prefills them (greedy continuation is
+unchanged). KV migration (`export_kv`, `import_requests(kv=...)`) is not implemented on this backend yet.
+
+SGLang decodes in its own scheduler processes, so `step(n)` observes progress (waits until every running
+request has n more tokens or finished) rather than driving single iterations. See README.md.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from pat_rollout.engine.base import Engine, EngineSnapshot, RunningInfo, StepResult
+from pat_rollout.sglang.launch import launch_engine
+from pat_rollout.types import Request, RequestOutput, RequestState, SamplingParams
+
+if TYPE_CHECKING:
+    import torch
+
+_FINISH_REASONS = {"length": "length", "stop": "stop", "abort": "abort"}
+
+
+@dataclass(slots=True)
+class _Tracked:
+    """One request as this engine sees it. `carried_*` came from an earlier engine (recompute path)."""
+
+    request_id: str
+    prompt: tuple[int, ...]
+    sampling: SamplingParams
+    rid: str
+    carried_ids: tuple[int, ...] = ()
+    carried_log_probs: tuple[float, ...] = ()
+    new_ids: list[int] = field(default_factory=list)
+    new_log_probs: list[float] = field(default_factory=list)
+    finish_reason: str | None = None
+    task: asyncio.Task | None = None
+
+    @property
+    def output_ids(self) -> tuple[int, ...]:
+        return self.carried_ids + tuple(self.new_ids)
+
+    @property
+    def output_log_probs(self) -> tuple[float, ...]:
+        return self.carried_log_probs + tuple(self.new_log_probs)
+
+    def to_output(self) -> RequestOutput:
+        assert self.finish_reason is not None
+        return RequestOutput(request_id=self.request_id, prompt_token_ids=self.prompt, token_ids=self.output_ids,
+                             log_probs=self.output_log_probs, finish_reason=self.finish_reason)
+
+
+def sglang_sampling_params(sp: SamplingParams, max_new_tokens: int) -> dict[str, Any]:
+    """pat_rollout SamplingParams -> SGLang's sampling_params dict."""
+    out: dict[str, Any] = dict(max_new_tokens=max_new_tokens, temperature=sp.temperature, top_p=sp.top_p,
+                               top_k=sp.top_k, ignore_eos=sp.ignore_eos)
+    if sp.stop_token_ids:
+        out["stop_token_ids"] = list(sp.stop_token_ids)
+    if not sp.is_greedy:  # position-keyed noise (sampler.multinomial_with_seed): same stream on any engine
+        out["sampling_seed"] = sp.seed
+    return out
+
+
+class SGLangEngine(Engine):
+    """A replica backed by `sglang.srt.entrypoints.engine.Engine` (token ids in/out, no tokenizer).
+
+    Not thread-safe: every method runs SGLang's asyncio loop on the calling thread until its work is done.
+    Several SGLangEngine objects may live in one process (each has its own scheduler processes and ports).
+    """
+
+    def __init__(self, model_path: str, *, tp_size: int = 1, device: str = "cpu", **server_overrides: Any):
+        self.model_path = model_path
+        self.tp_size = tp_size
+        t0 = time.perf_counter()
+        self.sgl = launch_engine(model_path, tp_size=tp_size, device=device, **server_overrides)
+        self.startup_s = time.perf_counter() - t0
+        self.loop: asyncio.AbstractEventLoop = self.sgl.loop
+        self._tracked: dict[str, _Tracked] = {}
+        self._finished: list[RequestOutput] = []
+        info = self.sgl._scheduler_init_result.scheduler_infos[0]
+        self.max_total_num_tokens = int(info["max_total_num_tokens"])
+
+    # ---- submission ------------------------------------------------------------------------------
+    def add_requests(self, requests: Iterable[Request]) -> None:
+        for r in requests:
+            self._submit(_Tracked(request_id=r.request_id, prompt=r.prompt_token_ids, sampling=r.sampling,
+                                  rid=uuid.uuid4().hex))
+
+    def import_requests(self, states: Iterable[RequestState], kv: dict[str, torch.Tensor] | None = None) -> None:
+        """Continue exported requests by recomputation: prompt + generated tokens are re-prefilled here."""
+        if kv:
+            raise NotImplementedError("SGLangEngine: KV migration is not implemented; import without kv "
+                                      "(recompute path)")
+        for s in states:
+            if s.remaining_budget <= 0:
+                raise ValueError(f"request {s.request_id!r}: remaining_budget={s.remaining_budget} "
+                                 f"(max_new_tokens={s.sampling.max_new_tokens}, "
+                                 f"generated={len(s.output_token_ids)}): nothing left to continue")
+            self._submit(_Tracked(request_id=s.request_id, prompt=s.prompt_token_ids, sampling=s.sampling,
+                                  rid=uuid.uuid4().hex, carried_ids=s.output_token_ids,
+                                  carried_log_probs=s.output_log_probs))
+
+    def _submit(self, t: _Tracked) -> None:
+        if t.request_id in self._tracked:
+            raise ValueError(f"request {t.request_id!r} is already running on this engine")
+        self._tracked[t.request_id] = t
+        # rid is a fixed-length uuid: SGLang's abort matches rids by prefix.
+        t.task = self.loop.create_task(self._consume(t))
+
+    async def _consume(self, t: _Tracked) -> None:
+        max_new = t.sampling.max_new_tokens - len(t.carried_ids)
+        gen = await self.sgl.async_generate(
+            input_ids=list(t.prompt + t.carried_ids), sampling_params=sglang_sampling_params(t.sampling, max_new),
+            return_logprob=True, stream=True, rid=t.rid)
+        async for chunk in gen:
+            meta = chunk["meta_info"]
+            # Non-incremental streaming: every chunk carries all tokens generated so far by this submission.
+            t.new_ids = list(chunk["output_ids"])
+            t.new_log_probs = [lp for lp, _tid, _text in meta["output_token_logprobs"]]
+            assert len(t.new_ids) == len(t.new_log_probs), (t.request_id, len(t.new_ids), len(t.new_log_probs))
+            if meta.get("finish_reason") is not None:
+                t.finish_reason = _FINISH_REASONS[meta["finish_reason"]["type"]]
+
+    # ---- progress --------------------------------------------------------------------------------
+    def step(self, num_steps: int = 1) -> StepResult:
+        """Wait until every running request has `num_steps` more tokens or has finished."""
+        t0 = time.perf_counter()
+        running = [t for t in self._tracked.values() if t.task is not None]
+        start = {t.request_id: len(t.new_ids) for t in running}
+
+        async def progressed() -> None:
+            while any(not t.task.done() and len(t.new_ids) - start[t.request_id] < num_steps for t in running):
+                await asyncio.sleep(0.002)
+
+        self.loop.run_until_complete(progressed())
+        self._collect_done()
+        finished, self._finished = tuple(self._finished), []
+        return StepResult(finished=finished, num_steps=num_steps,
+                          num_decode_tokens=sum(len(t.new_ids) - start[t.request_id] for t in running),
+                          num_prefill_tokens=0, num_running=len(self._tracked), num_waiting=0,
+                          elapsed_s=time.perf_counter() - t0)
+
+    def _collect_done(self) -> None:
+        for rid, t in list(self._tracked.items()):
+            if t.task is not None and t.task.done():
+                t.task.result()  # re-raise errors from the stream
+                del self._tracked[rid]
+                self._finished.append(t.to_output())
+
+    def run_to_completion(self) -> list[RequestOutput]:
+        """Run until every request finished; return all outputs not yet returned by `step`."""
+        tasks = [t.task for t in self._tracked.values() if t.task is not None]
+        if tasks:
+            self.loop.run_until_complete(asyncio.gather(*tasks))
+        self._collect_done()
+        out, self._finished = self._finished, []
+        return out
+
+    def has_unfinished(self) -> bool:
+        return bool(self._tracked)
+
+    def snapshot(self) -> EngineSnapshot:
+        """Progress as last streamed. KV usage is an estimate (prompt + generated tokens of running
+        requests; prefix sharing in SGLang's radix cache is not counted), in 1-token blocks."""
+        running = tuple(RunningInfo(request_id=t.request_id, num_prompt_tokens=len(t.prompt),
+                                    num_output_tokens=len(t.output_ids), max_new_tokens=t.sampling.max_new_tokens)
+                        for t in self._tracked.values() if t.finish_reason is None)
+        used = sum(r.num_prompt_tokens + r.num_output_tokens for r in running)
+        return EngineSnapshot(running=running, num_waiting=0, num_free_blocks=max(0, self.max_total_num_tokens - used),
+                              num_total_blocks=self.max_total_num_tokens, block_size=1)
+
+    # ---- export (recompute path) -------------------------------------------------------------------
+    def export_requests(self, request_ids: Iterable[str] | None = None) -> list[RequestState]:
+        """Abort the requests and take the exact tokens/log-probs SGLang returns with the abort.
+
+        No pause: a paused (`in_place`) scheduler never runs the step that retires aborted running
+        requests, so their final chunk would not arrive until `continue_generation`. A request that
+        finishes on its own before the abort lands is returned by the next `step` / `run_to_completion`
+        instead. `num_cached_tokens` is 0: SGLang frees the KV of aborted requests."""
+        wanted = list(self._tracked) if request_ids is None else list(request_ids)
+        missing = [r for r in wanted if r not in self._tracked]
+        if missing:
+            raise ValueError(f"export_requests: unknown request ids {missing}; running: {sorted(self._tracked)}")
+        tm = self.sgl.tokenizer_manager
+        chosen = [self._tracked[r] for r in wanted]
+        for t in chosen:
+            if not t.task.done():
+                tm.abort_request(rid=t.rid)
+        self.loop.run_until_complete(asyncio.gather(*(t.task for t in chosen)))
+        states = []
+        for t in chosen:
+            if t.finish_reason != "abort":  # finished by itself (length/stop) before the abort landed
+                continue
+            del self._tracked[t.request_id]
+            states.append(RequestState(request_id=t.request_id, prompt_token_ids=t.prompt,
+                                       output_token_ids=t.output_ids, output_log_probs=t.output_log_probs,
+                                       sampling=t.sampling, num_cached_tokens=0))
+        return states
+
+    def export_kv(self, request_id: str, kv_heads: tuple[int, int]) -> torch.Tensor:
+        raise NotImplementedError("SGLangEngine: KV export is not implemented (the recompute path needs none)")
+
+    def free_exported(self) -> None:
+        """Nothing to free: SGLang already released the KV of exported (aborted) requests."""
+
+    def abort_all(self) -> list[RequestOutput]:
+        self.sgl.tokenizer_manager.abort_request(abort_all=True)
+        return self.run_to_completion()
+
+    # ---- weights and memory ------------------------------------------------------------------------
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Full HF-named tensors; every rank's `weight_loader` keeps its shard (SGLang load_format=None)."""
+        self.sgl.begin_weight_update()
+        try:
+            ok, msg = self.sgl.update_weights_from_tensor(list(named_tensors))
+        finally:
+            self.sgl.end_weight_update()
+        if not ok:
+            raise RuntimeError(f"SGLang update_weights_from_tensor failed on {self.model_path} tp={self.tp_size}: "
+                               f"{msg}")
+
+    def release(self, tags: Iterable[str] = ("weights", "kv_cache")) -> None:
+        """Needs SGLang's memory saver (CUDA; launch with enable_memory_saver=True)."""
+        self.sgl.release_memory_occupation(list(tags))
+
+    def resume(self, tags: Iterable[str] = ("weights", "kv_cache")) -> None:
+        self.sgl.resume_memory_occupation(list(tags))
+
+    def shutdown(self) -> None:
+        for t in self._tracked.values():
+            if t.task is not None and not t.task.done():
+                t.task.cancel()
+        self._tracked.clear()
+        self.sgl.shutdown()
