@@ -5,7 +5,7 @@ PIP := $(PY) -m pip
 STAMP := $(VENV)/.pat_installed
 PYTEST_ARGS ?=
 
-.PHONY: install demo test test-fast test-gpu bench check-size clean
+.PHONY: install install-sglang demo test test-fast test-sglang test-gpu bench check-size clean
 
 install: $(STAMP)
 
@@ -16,6 +16,23 @@ $(STAMP): setup.py
 	$(PIP) install -q "torch==2.13.0"
 	$(PIP) install -q -e ".[test,verl]"
 	touch $(STAMP)
+
+# SGLang backend tests: a separate venv (sglang pins torch 2.14.1; ~6 min, 11 GB). See pat_rollout/sglang/INSTALL.md.
+SGL_VENV ?= .venv-sglang
+SGL_STAMP := $(SGL_VENV)/.pat_installed
+
+install-sglang: $(SGL_STAMP)
+
+$(SGL_STAMP): setup.py
+	test -x $(SGL_VENV)/bin/python || python3 -m venv $(SGL_VENV)
+	$(SGL_VENV)/bin/python -m pip install -q --upgrade pip
+	$(SGL_VENV)/bin/python -m pip install -q "torch==2.14.1" "torchvision==0.29.1"
+	$(SGL_VENV)/bin/python -m pip install -q "sglang==0.5.23" transformers pytest pytest-timeout
+	$(SGL_VENV)/bin/python -m pip install -q --no-deps -e .
+	touch $(SGL_STAMP)
+
+test-sglang: $(SGL_STAMP)
+	$(SGL_VENV)/bin/python -m pytest tests/sglang_backend -q -rs -p no:cacheprovider --timeout=900
 
 demo: $(STAMP)
 	$(PY) -m pat_rollout.demo

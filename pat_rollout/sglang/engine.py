@@ -1,6 +1,7 @@
 """pat_rollout's Engine protocol on one real SGLang engine (one replica: `tp_size` scheduler processes).
 
-Recompute path: `export_requests` aborts the chosen requests and takes the exact tokens and log-probs SGLang returns with the abort; `import_requests` resubmits prompt + generated
+Recompute path: `export_requests` aborts the chosen requests and takes the exact tokens and log-probs
+SGLang returns with the abort; `import_requests` resubmits prompt + generated
 tokens with the remaining budget, so the receiving engine re-prefills them (greedy continuation is
 unchanged). KV migration (`export_kv`, `import_requests(kv=...)`) is not implemented on this backend yet.
 

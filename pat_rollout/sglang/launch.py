@@ -3,7 +3,7 @@ environment SGLang's CPU path needs. Only `launch_engine` imports sglang.
 
 CPU (tests, this machine): `SGLANG_USE_CPU_ENGINE=1`, device "cpu", the torch_native attention backend
 (SGLang's default CPU backend needs AMX), float32, no CUDA graphs, and a `sgl_kernel` that imports
-(the CPU stand-in in tests/sglang/sgl_kernel_stub when the CUDA-only wheel does not).
+(the CPU stand-in in tests/sglang_backend/sgl_kernel_stub when the CUDA-only wheel does not).
 """
 
 from __future__ import annotations
