@@ -194,6 +194,8 @@ class RolloutDriver:
             self.planner.start_stage()
 
     def _end_stage(self) -> None:
+        if self._stage is None:
+            return
         self._stage.finish()
         self._last_stage, self._stage = self._stage, None
         logger.info("stage done: %s", {k: v for k, v in self._last_stage.as_dict().items()})
@@ -227,17 +229,27 @@ class RolloutDriver:
         results = dict(zip(devices, self.group.call(devices, "step", k, what="decode step")))
         self._num_polls += 1
         self._stage.num_polls += 1
+        done = []
         for r in busy:
             step, snap = results[self.layout.groups[r][0]]
             self._stage.num_decode_tokens += step.num_decode_tokens
-            for out in step.finished:
-                self._finish(out)
+            done.extend(self._finish(out) for out in step.finished)
             for info in snap.running:
                 self._progress[info.request_id] = info
+        if not self._futures:
+            self._end_stage()  # before waking callers, so stage_metrics() sees this stage
+        self._resolve(done)
         if self.planner is not None and self._futures:
             self._maybe_reconfigure()
 
-    def _finish(self, out: RequestOutput) -> None:
+    @staticmethod
+    def _resolve(done: list[tuple[cf.Future | None, RequestOutput]]) -> None:
+        for fut, out in done:
+            if fut is not None and not fut.done():
+                fut.set_result(out)
+
+    def _finish(self, out: RequestOutput) -> tuple[cf.Future | None, RequestOutput]:
+        """Bookkeeping for a finished request; returns its future for `_resolve`."""
         rid = out.request_id
         self._assignment.pop(rid, None)
         self._progress.pop(rid, None)
@@ -247,8 +259,7 @@ class RolloutDriver:
             self._stage.response_lengths.append(len(out.token_ids))
         if self.planner is not None and req is not None:
             self.planner.observe_finished(prompt_key(req.prompt_token_ids), len(out.token_ids))
-        if fut is not None and not fut.done():
-            fut.set_result(out)
+        return fut, out
 
     def _maybe_reconfigure(self) -> None:
         state = cluster_state(self._num_polls * self.config.steps_per_poll, self.config.num_devices,
@@ -304,8 +315,10 @@ class RolloutDriver:
             per_device = self.group.call(range(self.group.num_devices), "abort_all", what="abort")
             for group in self.layout.groups:
                 outs.extend(per_device[group[0]])
-        for out in outs:
-            self._finish(out)
+        done = [self._finish(out) for out in outs]
+        if self._stage is not None and not self._futures:
+            self._end_stage()
+        self._resolve(done)
         for req, fut in new:
             out = RequestOutput(request_id=req.request_id, prompt_token_ids=req.prompt_token_ids, token_ids=(),
                                 log_probs=(), finish_reason="abort")
