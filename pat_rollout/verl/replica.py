@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import numbers
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -88,18 +89,21 @@ class PatReplica(RolloutReplica):
         await self._server_handle.shutdown.remote()
 
 
-async def collect_pat_metrics(replicas: Sequence[PatReplica]) -> dict[str, float]:
-    """Numeric stage metrics of all PAT pools: `pat/<name>` is the mean over pools, `pat/<name>/max` the max.
-    Non-numeric entries (e.g. the `pat/layouts` trace string) are left out; `PatReplica.get_metrics` has them.
-
-    Call it from a trainer hook between generation and `sleep_replicas`, e.g.
-    `metrics.update(asyncio.run(collect_pat_metrics(trainer.llm_server_manager.get_replicas())))`.
-    """
-    per_pool = await asyncio.gather(*[r.get_metrics() for r in replicas])
+def reduce_pat_metrics(per_pool: Sequence[dict[str, Any]]) -> dict[str, float]:
+    """Reduce the stage metrics of several PAT pools: `pat/<name>` is the mean over pools, `pat/<name>/max`
+    the max. Non-numeric entries (e.g. the `pat/layouts` trace string) and `pat/replica_rank` are left out."""
     out: dict[str, float] = {}
-    numeric = [{k: float(v) for k, v in m.items() if isinstance(v, int | float)} for m in per_pool]
+    numeric = [{k: float(v) for k, v in m.items() if isinstance(v, numbers.Real)}
+               for m in per_pool]
     for key in sorted({k for m in numeric for k in m} - {"pat/replica_rank"}):
         values = [m[key] for m in numeric if key in m]
         out[key] = sum(values) / len(values)
         out[f"{key}/max"] = max(values)
     return out
+
+
+async def collect_pat_metrics(replicas: Sequence[PatReplica]) -> dict[str, float]:
+    """Numeric stage metrics of all PAT pools (see `reduce_pat_metrics`); `PatReplica.get_metrics` has the
+    non-numeric ones. In training, `pat_rollout.verl.agent_loop.PatAgentLoopManager` does this per step.
+    """
+    return reduce_pat_metrics(await asyncio.gather(*[r.get_metrics() for r in replicas]))

@@ -55,6 +55,9 @@ COMMON_ARGS=(
     "reward.custom_reward_function.path=recipes/deepscaler/deepscaler_reward.py"
     "reward.custom_reward_function.name=compute_score"
     "trainer.critic_warmup=0"
+    # false: verl's legacy RayPPOTrainer, the trainer through which PAT's stage metrics reach wandb
+    # (timing_s/pat/*); true: verl's default v1 trainer, which has no such path (see README.md, Metrics).
+    "trainer.use_v1=${VERL_USE_V1:-false}"
     "trainer.logger=[console,wandb]"
     "trainer.project_name=pat_deepscaler"
     "trainer.nnodes=$NNODES"
@@ -74,6 +77,7 @@ rollout_args() {
         "actor_rollout_ref.rollout.name=pat"
         "actor_rollout_ref.rollout.tensor_model_parallel_size=$GPUS_PER_NODE"
         "actor_rollout_ref.rollout.data_parallel_size=1"
+        "+actor_rollout_ref.rollout.agent.agent_loop_manager_class=pat_rollout.verl.agent_loop.PatAgentLoopManager"
         "+actor_rollout_ref.rollout.engine_kwargs.pat.backend=${PAT_BACKEND:-sglang}"
         "+actor_rollout_ref.rollout.engine_kwargs.pat.policy=$policy"
         "+actor_rollout_ref.rollout.engine_kwargs.pat.initial_tp=$initial_tp"
