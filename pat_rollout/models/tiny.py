@@ -19,9 +19,10 @@ TINY_PRESETS: dict[str, dict[str, Any]] = {
     "qwen3": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, head_dim=16, vocab_size=250, max_position_embeddings=512,
                   tie_word_embeddings=True),
-    # Demo size: big enough that decode cost depends on batch and TP, small enough for 2 CPU cores.
-    "llama-demo": dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=4, num_attention_heads=8,
-                       num_key_value_heads=4, head_dim=64, vocab_size=2048, max_position_embeddings=4096),
+    # Demo size (~110M params): wide and shallow, so a decode step's matmuls weigh about as much as the ~6
+    # collectives TP adds per step (gloo over loopback costs ~1 ms each on these machines).
+    "llama-demo": dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=2, num_attention_heads=16,
+                       num_key_value_heads=8, head_dim=128, vocab_size=4096, max_position_embeddings=4096),
 }
 
 
