@@ -42,6 +42,11 @@ class RolloutDriver:
     """A PAT rollout pool of `config.num_devices` devices. Thread-safe `submit`; blocking `generate`."""
 
     def __init__(self, config: PatRolloutConfig, *, num_cpus_per_worker: float = 1) -> None:
+        if config.backend != "reference":
+            raise NotImplementedError(
+                f"backend={config.backend!r}: the PAT driver runs only the reference engine so far; the SGLang "
+                "backend (pat_rollout/sglang) runs SGLang engines but is not yet wired into the driver's "
+                "reconfiguration protocol. Use engine_kwargs.pat.backend=reference.")
         self.config = config
         self.spec = read_model_spec(config.model_path)
         for tp in config.tp_sizes:

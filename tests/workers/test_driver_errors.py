@@ -81,3 +81,8 @@ def test_update_weights_after_reconfiguration(ray_cluster, tiny_models, tmp_path
         driver.shutdown()
     assert [o.token_ids for o in after] == [o.token_ids for o in expected]
     assert [o.token_ids for o in after] != [o.token_ids for o in before]
+
+
+def test_sglang_backend_is_not_silently_replaced(tiny_models):
+    with pytest.raises(NotImplementedError, match="backend='sglang': the PAT driver runs only the reference engine"):
+        RolloutDriver(pool_config(tiny_models["llama"], backend="sglang"))
