@@ -65,6 +65,10 @@ class GroupCache:
         self.num_hits += 1
         return handle
 
+    def handles(self) -> dict[frozenset[int], GroupHandle]:
+        """A copy of the cache: device set -> handle (for introspection and tests)."""
+        return dict(self._groups)
+
     def __len__(self) -> int:
         return len(self._groups)
 

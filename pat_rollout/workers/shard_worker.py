@@ -76,7 +76,7 @@ class ShardWorker:
     def info(self) -> dict[str, Any]:
         return {"device": self.device, "pid": os.getpid(), "layout": str(self.layout),
                 "num_groups": len(self.groups), "groups_created": self.groups.num_created,
-                "group_ids": {str(sorted(k)): id(h.pg) for k, h in self.groups._groups.items()}}
+                "group_ids": {str(sorted(k)): id(h.pg) for k, h in self.groups.handles().items()}}
 
     def fail_next(self, phase: str | None) -> None:
         """Test hook: raise inside the next call of reconfiguration phase `phase`."""
