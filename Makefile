@@ -5,7 +5,7 @@ PIP := $(PY) -m pip
 STAMP := $(VENV)/.pat_installed
 PYTEST_ARGS ?=
 
-.PHONY: install install-sglang demo test test-fast test-sglang test-gpu bench check-size clean
+.PHONY: install install-sglang lint demo test test-fast test-sglang test-gpu bench check-size clean
 
 install: $(STAMP)
 
@@ -50,6 +50,9 @@ bench: $(STAMP)
 	$(PY) -m pat_rollout.bench.engine_vs_hf
 	$(PY) -m pat_rollout.bench.sim_policies
 	$(PY) -m pat_rollout.bench.reconfig_overhead
+
+lint: $(STAMP)
+	$(PY) -m ruff check --line-length 120 --select E,F,W,I --ignore E501 pat_rollout tests
 
 check-size:
 	@python3 -c "import pathlib,sys; big=[(p,n) for p in pathlib.Path('pat_rollout').rglob('*.py') if (n:=len(p.read_text().splitlines()))>800]; print('\n'.join(f'{p}: {n} lines > 800' for p,n in big)); sys.exit(1 if big else 0)"

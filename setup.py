@@ -20,7 +20,7 @@ setup(
         "wandb",
     ],
     extras_require={
-        "test": ["pytest>=8", "pytest-timeout"],
+        "test": ["pytest>=8", "pytest-timeout", "ruff"],
         "verl": ["verl==0.9.1", "fastapi", "uvicorn", "cachetools", "msgspec", "pyzmq"],
         "sglang": ["sglang>=0.5.12"],
     },

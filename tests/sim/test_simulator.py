@@ -5,7 +5,14 @@ import pytest
 from pat_rollout.planner import Planner, PlannerConfig
 from pat_rollout.profile.model import LatencyModel
 from pat_rollout.sim import (
-    Trace, TraceRecord, compare, deepscaler_like, simulate_pat, simulate_static, uniform_trace, verl_like,
+    Trace,
+    TraceRecord,
+    compare,
+    deepscaler_like,
+    simulate_pat,
+    simulate_static,
+    uniform_trace,
+    verl_like,
 )
 
 CFG = PlannerConfig(candidate_tps=(1, 2, 4, 8))

@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import os
-
 import pytest
+
 
 @pytest.fixture(scope="session")
 def tiny_llama_with_tokenizer(tiny_models: dict[str, str]) -> str:

@@ -36,8 +36,8 @@ def test_bash_syntax(script):
 @pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.name)
 def test_overrides_compose_and_pat_config_is_valid(script, tmp_path):
     pytest.importorskip("verl")
-    from verl_helpers import compose_ppo
     from verl.utils.config import omega_conf_to_dataclass
+    from verl_helpers import compose_ppo
 
     from pat_rollout.verl.config import from_verl
 

@@ -65,7 +65,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_layer:
     kv_layer[1].index_copy_(0, md.slot_mapping, v)
     keys = kv_layer[0][md.kv_slots].transpose(1, 2)  # [B, Hkv, Tmax, D]
     values = kv_layer[1][md.kv_slots].transpose(1, 2)
-    num_seqs, num_heads, head_dim = md.kv_slots.shape[0], q.shape[1], q.shape[2]
+    num_heads, head_dim = q.shape[1], q.shape[2]
     queries = (q.unsqueeze(1) if md.q_index is None else q[md.q_index]).transpose(1, 2)  # [B, Hq, Qmax, D]
     out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=md.mask,
                                          enable_gqa=num_heads != keys.shape[1])

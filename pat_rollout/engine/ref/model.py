@@ -9,8 +9,16 @@ from torch import nn
 
 from pat_rollout.comm.tp_context import TPContext
 from pat_rollout.engine.ref.attention import AttentionMetadata, paged_attention
-from pat_rollout.engine.ref.layers import (ColumnParallelLinear, ParallelLMHead, RMSNorm, RotaryEmbedding,
-                                           RowParallelLinear, TPModule, VocabParallelEmbedding, apply_rope)
+from pat_rollout.engine.ref.layers import (
+    ColumnParallelLinear,
+    ParallelLMHead,
+    RMSNorm,
+    RotaryEmbedding,
+    RowParallelLinear,
+    TPModule,
+    VocabParallelEmbedding,
+    apply_rope,
+)
 from pat_rollout.layout.shard import ShardSpec
 from pat_rollout.types import ModelSpec
 
