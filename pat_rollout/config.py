@@ -9,7 +9,8 @@ from typing import Any
 BACKENDS = ("reference", "sglang")
 POLICIES = ("pat", "static", "manual")
 KV_HANDOFFS = ("auto", "migrate", "recompute")
-DTYPES = ("float32", "float64", "bfloat16", "float16")
+DTYPE_BYTES = {"float32": 4, "float64": 8, "bfloat16": 2, "float16": 2}
+DTYPES = tuple(DTYPE_BYTES)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

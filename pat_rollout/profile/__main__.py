@@ -37,16 +37,14 @@ def main(argv: list[str] | None = None) -> None:
     from pat_rollout.models import make_tiny_model
     from pat_rollout.profile.measure import ProfileGrid, measure_profile
     from pat_rollout.profile.model import LatencyModel
-    from pat_rollout.workers.driver import read_model_spec
 
     model_path = args.model_path or str(make_tiny_model(
         Path(os.path.expanduser("~/.cache/pat_rollout/models")) / args.tiny, args.tiny))
-    spec = read_model_spec(model_path)
     ray.init(num_cpus=max(args.devices, 2), include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})
     try:
         grid = ProfileGrid(tps=args.tps, batches=args.batches, contexts=args.contexts, steps=args.steps)
-        profile = measure_profile(model_path, spec, grid, num_devices=args.devices, dtype=args.dtype)
+        profile = measure_profile(model_path, grid, num_devices=args.devices, dtype=args.dtype)
     finally:
         ray.shutdown()
     LatencyModel.from_dict(profile)  # validate before writing

@@ -10,15 +10,13 @@ import random
 import time
 from dataclasses import dataclass
 
+from pat_rollout.config import DTYPE_BYTES
 from pat_rollout.engine.ref.config import RefEngineConfig
 from pat_rollout.layout import Layout, model_shard_specs
 from pat_rollout.profile.model import SCHEMA_VERSION
 from pat_rollout.types import ModelSpec, Request, SamplingParams
 
 logger = logging.getLogger(__name__)
-
-_DTYPE_BYTES = {"float32": 4, "float64": 8, "bfloat16": 2, "float16": 2}
-
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ProfileGrid:
@@ -34,23 +32,24 @@ def _requests(tag: str, batch: int, context: int, steps: int, vocab: int, rng: r
                     sampling=SamplingParams(max_new_tokens=steps + 4, ignore_eos=True)) for i in range(batch)]
 
 
-def measure_profile(model_path: str, spec: ModelSpec, grid: ProfileGrid, *, num_devices: int, dtype: str = "float32",
+def measure_profile(model_path: str, grid: ProfileGrid, *, num_devices: int, dtype: str = "float32",
                     block_size: int = 16) -> dict:
     """Run the grid on a fresh WorkerGroup and return a profile dict (schema_version 1)."""
     from pat_rollout.workers.group import WorkerGroup
     from pat_rollout.workers.reconfigure import Reconfigurer
 
-    for tp in grid.tps:
-        spec.check_tp(tp)
     max_tp = max(grid.tps)
     need_blocks = max(grid.batches) * -(-(max(grid.contexts) + grid.steps + 8) // block_size) + 8
     engine = RefEngineConfig(model_path=model_path, dtype=dtype, max_tp=max_tp, block_size=block_size,
                              num_kv_blocks=need_blocks, max_num_seqs=max(grid.batches),
                              max_prefill_tokens=max(grid.batches) * max(grid.contexts))
+    spec = engine.model_spec()
+    for tp in grid.tps:
+        engine.check_tp(spec, tp)
     base = Layout.uniform(num_devices, min(grid.tps))
     group = WorkerGroup(world_size=num_devices, engine=engine, initial_layout=base, tp_sizes=grid.tps)
     reconf = Reconfigurer(group, spec, model_shard_specs(spec, max_tp), base, handoff="recompute",
-                          dtype_bytes=_DTYPE_BYTES[dtype])
+                          dtype_bytes=DTYPE_BYTES[dtype])
     rng = random.Random(0)
     decode, prefill, phases = [], [], []
     layout = base
@@ -85,15 +84,17 @@ def measure_profile(model_path: str, spec: ModelSpec, grid: ProfileGrid, *, num_
             layout = result.dst
     finally:
         group.shutdown()
+    hardware = f"{platform.processor() or platform.machine()} CPU, {num_devices} Ray actors (1 thread each)"
+    phase_notes = [(a, b, {k: round(v, 4) for k, v in p.items()}) for a, b, p in phases]
     return {
         "schema_version": SCHEMA_VERSION,
-        "meta": {"hardware": f"{platform.processor() or platform.machine()} CPU, {num_devices} Ray actors (1 thread each)",
-                 "model": model_path.rstrip("/").split("/")[-1], "backend": "reference", "source": "measured",
+        "meta": {"hardware": hardware, "model": model_path.rstrip("/").split("/")[-1], "backend": "reference",
+                 "source": "measured",
                  "notes": f"measured by python -m pat_rollout.profile on {time.strftime('%Y-%m-%d')}; gloo over "
-                          f"loopback; reconfiguration phases {[(a, b, {k: round(v, 4) for k, v in p.items()}) for a, b, p in phases]}"},
+                          f"loopback; reconfiguration phases {phase_notes}"},
         "model": {"num_layers": spec.num_layers, "hidden_size": spec.hidden_size, "num_heads": spec.num_heads,
                   "num_kv_heads": spec.num_kv_heads, "head_dim": spec.head_dim,
-                  "param_bytes": spec.num_params() * _DTYPE_BYTES[dtype], "dtype_bytes": _DTYPE_BYTES[dtype]},
+                  "param_bytes": spec.num_params() * DTYPE_BYTES[dtype], "dtype_bytes": DTYPE_BYTES[dtype]},
         "decode": decode,
         "prefill": prefill,
         "kv_transfer": {"bandwidth_bytes_per_s": bandwidth, "latency_s": latency},
@@ -117,7 +118,7 @@ def _fit_reshard(phases: list[tuple[int, int, dict]], spec: ModelSpec, dtype: st
     bandwidth = 1e9
     if shrink:
         a, b, t = shrink[0]
-        moved = spec.num_params() * _DTYPE_BYTES[dtype] * (1 / b - 1 / a)
+        moved = spec.num_params() * DTYPE_BYTES[dtype] * (1 / b - 1 / a)
         bandwidth = moved / max(t - fixed, 1e-6)
     return {"bandwidth_bytes_per_s": bandwidth, "fixed_s": fixed}
 

@@ -8,34 +8,23 @@ generation loop in a background thread and lets the planner reconfigure TP while
 from __future__ import annotations
 
 import concurrent.futures as cf
-import json
 import logging
 import threading
 import time
 from collections.abc import Iterable
-from pathlib import Path
 from typing import Any
 
-from pat_rollout.config import PatRolloutConfig
+from pat_rollout.config import DTYPE_BYTES, PatRolloutConfig
 from pat_rollout.engine.base import RunningInfo
 from pat_rollout.engine.ref.config import RefEngineConfig, check_request
 from pat_rollout.layout import Layout, model_shard_specs
-from pat_rollout.types import ModelSpec, Request, RequestOutput
+from pat_rollout.types import Request, RequestOutput
 from pat_rollout.workers.group import WorkerError, WorkerGroup
 from pat_rollout.workers.metrics import StageMetrics
 from pat_rollout.workers.pat_planner import build_planner, cluster_state, handoff_cost, load_profile, prompt_key
 from pat_rollout.workers.reconfigure import ReconfigurationError, Reconfigurer
 
 logger = logging.getLogger(__name__)
-
-_DTYPE_BYTES = {"float32": 4, "float64": 8, "bfloat16": 2, "float16": 2}
-
-
-def read_model_spec(model_path: str) -> ModelSpec:
-    cfg_file = Path(model_path) / "config.json"
-    if not cfg_file.is_file():
-        raise ValueError(f"model_path={model_path!r} has no config.json (expected a HuggingFace checkpoint folder)")
-    return ModelSpec.from_hf_config(json.loads(cfg_file.read_text()))
 
 
 class RolloutDriver:
@@ -48,14 +37,15 @@ class RolloutDriver:
                 "backend (pat_rollout/sglang) runs SGLang engines but is not yet wired into the driver's "
                 "reconfiguration protocol. Use engine_kwargs.pat.backend=reference.")
         self.config = config
-        self.spec = read_model_spec(config.model_path)
+        # The engine's own config validates the checkpoint, so the pool fails before starting any actor.
+        self.engine_config = engine_cfg = RefEngineConfig(
+            model_path=config.model_path, dtype=config.dtype, max_tp=config.max_tp, block_size=config.block_size,
+            num_kv_blocks=config.num_kv_blocks, max_num_seqs=config.max_num_seqs)
+        self.spec = engine_cfg.model_spec()
         for tp in config.tp_sizes:
-            self.spec.check_tp(tp)  # fail before starting any actor
+            engine_cfg.check_tp(self.spec, tp)
         self.base = Layout.uniform(config.num_devices, config.initial_tp)
         self.layout = self.base
-        self.engine_config = engine_cfg = RefEngineConfig(model_path=config.model_path, dtype=config.dtype, max_tp=config.max_tp,
-                                     block_size=config.block_size, num_kv_blocks=config.num_kv_blocks,
-                                     max_num_seqs=config.max_num_seqs)
         needs_profile = config.policy == "pat" or (config.kv_handoff == "auto" and len(config.tp_sizes) > 1)
         self.profile = load_profile(config) if needs_profile else None
         self.planner = build_planner(config, self.spec, self.profile) if config.policy == "pat" else None
@@ -64,11 +54,12 @@ class RolloutDriver:
         self.reconfigurer = Reconfigurer(self.group, self.spec, model_shard_specs(self.spec, config.max_tp),
                                          self.base, handoff=config.kv_handoff,
                                          cost=handoff_cost(self.profile) if self.profile else None,
-                                         dtype_bytes=_DTYPE_BYTES[config.dtype])
+                                         dtype_bytes=DTYPE_BYTES[config.dtype])
         self._lock = threading.Condition()
         self._inbox: list[tuple[Request, cf.Future]] = []
         self._futures: dict[str, cf.Future] = {}
         self._requests: dict[str, Request] = {}
+        self._prompt_keys: dict[str, str] = {}  # request id -> prompt_key, hashed once at dispatch
         self._assignment: dict[str, int] = {}
         self._progress: dict[str, RunningInfo] = {}
         self._stage: StageMetrics | None = None
@@ -224,6 +215,7 @@ class RolloutDriver:
             self._assignment[req.request_id] = r
             self._futures[req.request_id] = fut
             self._requests[req.request_id] = req
+            self._prompt_keys[req.request_id] = prompt_key(req.prompt_token_ids)
         calls = {d: ("add_requests", (reqs,)) for r, reqs in per_replica.items() for d in self.layout.groups[r]}
         self.group.call_each(calls, what="add_requests")
 
@@ -259,16 +251,18 @@ class RolloutDriver:
         self._assignment.pop(rid, None)
         self._progress.pop(rid, None)
         req = self._requests.pop(rid, None)
+        key = self._prompt_keys.pop(rid, None)
         fut = self._futures.pop(rid, None)
         if self._stage is not None:
             self._stage.response_lengths.append(len(out.token_ids))
         if self.planner is not None and req is not None:
-            self.planner.observe_finished(prompt_key(req.prompt_token_ids), len(out.token_ids))
+            self.planner.observe_finished(key, len(out.token_ids))
         return fut, out
 
     def _maybe_reconfigure(self) -> None:
         state = cluster_state(self._num_polls * self.config.steps_per_poll, self.config.num_devices,
-                              self.layout.tp_size, self._requests, self._progress, self._assignment)
+                              self.layout.tp_size, self._requests, self._progress, self._prompt_keys,
+                              self._assignment)
         decision = self.planner.decide(state)
         if decision is None or decision.target_tp == self.layout.tp_size:
             return
@@ -345,5 +339,6 @@ class RolloutDriver:
         self._assignment.clear()
         self._progress.clear()
         self._requests.clear()
+        self._prompt_keys.clear()
         if self._stage is not None:
             self._end_stage()

@@ -61,14 +61,16 @@ def prompt_key(prompt_token_ids: tuple[int, ...]) -> str:
 
 
 def cluster_state(step: int, num_devices: int, tp: int, requests: Mapping[str, Request],
-                  progress: Mapping[str, RunningInfo], assignment: Mapping[str, int] | None = None) -> ClusterState:
+                  progress: Mapping[str, RunningInfo], prompt_keys: Mapping[str, str],
+                  assignment: Mapping[str, int] | None = None) -> ClusterState:
+    """The planner's view of the pool; `prompt_keys` holds each request's `prompt_key`, computed once."""
     reqs = []
     for rid, req in sorted(requests.items()):
         info = progress.get(rid)
         done = info.num_output_tokens if info else 0
         if done >= req.sampling.max_new_tokens:
             continue
-        reqs.append(ReqProgress(request_id=rid, prompt_key=prompt_key(req.prompt_token_ids),
+        reqs.append(ReqProgress(request_id=rid, prompt_key=prompt_keys[rid],
                                 num_prompt_tokens=len(req.prompt_token_ids), num_output_tokens=done,
                                 max_new_tokens=req.sampling.max_new_tokens,
                                 replica=assignment.get(rid) if assignment else None))

@@ -98,14 +98,7 @@ class Reconfigurer:
             result.phase_s["switch"] = time.perf_counter() - t
 
             t = time.perf_counter()
-            migrated_ids = {s.request_id for s in migrated}
-            calls = {}
-            for r, group in enumerate(dst.groups):
-                mine = [s for s in states if assignment[s.request_id] == r]
-                ids = [s.request_id for s in mine if s.request_id in migrated_ids]
-                for d in group:
-                    calls[d] = ("import_requests", (mine, ids))
-            self.group.call_each(calls, what="import")
+            self._import(dst, states, assignment, {s.request_id for s in migrated}, what="import")
             result.phase_s["import"] = time.perf_counter() - t
         except Exception as e:
             self._rollback(states)
@@ -118,7 +111,7 @@ class Reconfigurer:
         result.recomputed = tuple(s.request_id for s in recomputed)
         result.total_s = time.perf_counter() - t_start
         logger.info("reconfigured %s -> %s in %.3f s: %s; %d migrated, %d recomputed", src, dst,
-                    time.perf_counter() - t_start, {k: round(v, 4) for k, v in result.phase_s.items()},
+                    result.total_s, {k: round(v, 4) for k, v in result.phase_s.items()},
                     len(result.migrated), len(result.recomputed))
         return result
 
@@ -134,13 +127,20 @@ class Reconfigurer:
         devices = range(self.group.num_devices)
         self.group.call(devices, "rollback", self.base, what="rollback")
         assignment = _balance(states, self.base.num_replicas)
-        calls = {}
-        for r, group in enumerate(self.base.groups):
-            mine = [s for s in states if assignment[s.request_id] == r]
-            for d in group:
-                calls[d] = ("import_requests", (mine, []))
-        self.group.call_each(calls, what="rollback import")
+        self._import(self.base, states, assignment, set(), what="rollback import")
         self.last_rollback_assignment = assignment
+
+    def _import(self, layout: Layout, states: list[RequestState], assignment: dict[str, int], migrated: set[str], *,
+                what: str) -> None:
+        """Every device of replica r imports the requests assigned to r; those in `migrated` take their KV
+        from the hand-off, the rest are recomputed."""
+        calls = {}
+        for r, group in enumerate(layout.groups):
+            mine = [s for s in states if assignment[s.request_id] == r]
+            ids = [s.request_id for s in mine if s.request_id in migrated]
+            for d in group:
+                calls[d] = ("import_requests", (mine, ids))
+        self.group.call_each(calls, what=what)
 
 
 def _unique_states(layout: Layout, per_device: list[list[RequestState]]) -> list[RequestState]:
