@@ -50,7 +50,8 @@ class ShardSpec:
 
     def __post_init__(self) -> None:
         if self.dim is not None and sum(p.size for p in self.partitions) != self.shape[self.dim]:
-            raise ValueError(f"{self.name}: partitions {self.partitions} do not cover shape {self.shape} dim {self.dim}")
+            raise ValueError(
+                f"{self.name}: partitions {self.partitions} do not cover shape {self.shape} dim {self.dim}")
 
     def local_shape(self, tp_rank: int, tp_size: int) -> tuple[int, ...]:
         if self.dim is None:

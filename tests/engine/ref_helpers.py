@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import random
 
-import torch
-
 from pat_rollout.comm.tp_context import TPContext
 from pat_rollout.engine.ref import RefEngine, RefEngineConfig
 from pat_rollout.types import Request, SamplingParams
@@ -24,22 +22,3 @@ def make_requests(lengths: list[int], max_new: list[int], prompt_seed: int = 0, 
     return [Request(request_id=f"{prefix}{i}", prompt_token_ids=tuple(rng.randrange(3, 250) for _ in range(n)),
                     sampling=SamplingParams(max_new_tokens=m, **sampling))
             for i, (n, m) in enumerate(zip(lengths, max_new))]
-
-
-def hf_greedy(model_path: str, requests: list[Request]) -> list[tuple[list[int], list[float]]]:
-    """HF transformers generate(do_sample=False) in float64, one prompt at a time (no padding):
-    (tokens, log_softmax of the raw logits at each chosen token)."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float64).eval()
-    out = []
-    for r in requests:
-        ids = torch.tensor([r.prompt_token_ids])
-        with torch.no_grad():
-            res = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                                 max_new_tokens=r.sampling.max_new_tokens, output_logits=True,
-                                 return_dict_in_generate=True)
-        tokens = res.sequences[0, ids.shape[1]:].tolist()
-        log_probs = [torch.log_softmax(lg[0], -1)[t].item() for lg, t in zip(res.logits, tokens)]
-        out.append((tokens, log_probs))
-    return out

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import pytest
-from ref_helpers import hf_greedy, make_engine, make_requests
+from hf_reference import hf_greedy
+from ref_helpers import make_engine, make_requests
 
 from pat_rollout.models import make_tiny_model
 

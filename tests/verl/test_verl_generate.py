@@ -15,7 +15,7 @@ import pytest
 
 pytest.importorskip("verl")
 pytest.importorskip("fastapi")
-from verl_helpers import compose_ppo  # noqa: E402
+from verl_helpers import compose_ppo, pat_server_manager  # noqa: E402
 
 pytestmark = [pytest.mark.verl, pytest.mark.ray, pytest.mark.slow]
 
@@ -42,13 +42,6 @@ def _driver_factory(kind: str):
 
 @pytest.fixture(scope="module", params=["fake", "real"])
 def pat_stack(request, ray_cluster, tiny_llama_with_tokenizer):
-    import ray
-    from verl.single_controller.base import Worker
-    from verl.single_controller.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
-    from verl.workers.rollout.llm_server import LLMServerManager
-
-    from pat_rollout.verl.replica import PatReplica
-
     factory = _driver_factory(request.param)
     cfg = compose_ppo([
         "actor_rollout_ref.rollout.name=pat",
@@ -67,31 +60,8 @@ def pat_stack(request, ray_cluster, tiny_llama_with_tokenizer):
         "+actor_rollout_ref.rollout.engine_kwargs.pat.profile_path=h100_llama31_8b",
     ])
 
-    class DummyTrainerWorker(Worker):  # stands in for ActorRolloutRefWorker (one per "GPU")
-        pass
-
-    pool = RayResourcePool([NUM_WORKERS[request.param]], use_gpu=False, max_colocate_count=1)
-    wg = RayWorkerGroup(resource_pool=pool, ray_cls_with_init=RayClassWithInitArgs(cls=ray.remote(DummyTrainerWorker)),
-                        name_prefix=f"pat_test_{request.param}", device_name="cpu")
-    old_factory = PatReplica.driver_factory
-    PatReplica.driver_factory = factory
-    try:
-        manager = LLMServerManager.create(config=cfg, worker_group=wg)
-    finally:
-        PatReplica.driver_factory = old_factory
-    yield request.param, cfg, manager
-    replicas = manager.get_replicas()
-
-    async def shutdown():
-        await asyncio.gather(*[r.shutdown() for r in replicas])
-
-    asyncio.run(shutdown())
-    for handle in [*(r.server_handle for r in replicas), manager.global_load_balancer, *wg.workers]:
-        ray.kill(handle)
-    from ray.util.placement_group import remove_placement_group
-
-    for pg in pool.get_placement_groups():
-        remove_placement_group(pg)
+    with pat_server_manager(cfg, factory, NUM_WORKERS[request.param], f"pat_test_{request.param}") as manager:
+        yield request.param, cfg, manager
 
 
 def _chat_prompt_ids(model_path: str, text: str) -> list[int]:

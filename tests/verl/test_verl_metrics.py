@@ -18,7 +18,7 @@ import pytest
 
 pytest.importorskip("verl")
 pytest.importorskip("fastapi")
-from verl_helpers import compose_ppo  # noqa: E402
+from verl_helpers import compose_ppo, pat_server_manager  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 FQN = "pat_rollout.verl.agent_loop.PatAgentLoopManager"
@@ -76,11 +76,6 @@ def test_v1_trainer_gets_verls_tq_manager():
 def pat_stack(ray_cluster, tiny_llama_with_tokenizer):
     import fake_driver
     import ray
-    from verl.single_controller.base import Worker
-    from verl.single_controller.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
-    from verl.workers.rollout.llm_server import LLMServerManager
-
-    from pat_rollout.verl.replica import PatReplica
 
     ray.cloudpickle.register_pickle_by_value(fake_driver)
     cfg = compose_ppo([
@@ -100,31 +95,8 @@ def pat_stack(ray_cluster, tiny_llama_with_tokenizer):
         "+actor_rollout_ref.rollout.engine_kwargs.pat.profile_path=h100_llama31_8b",
     ])
 
-    class DummyTrainerWorker(Worker):
-        pass
-
-    pool = RayResourcePool([NUM_WORKERS], use_gpu=False, max_colocate_count=1)
-    wg = RayWorkerGroup(resource_pool=pool, ray_cls_with_init=RayClassWithInitArgs(cls=ray.remote(DummyTrainerWorker)),
-                        name_prefix="pat_metrics_test", device_name="cpu")
-    old = PatReplica.driver_factory
-    PatReplica.driver_factory = fake_driver.FakeRolloutDriver
-    try:
-        manager = LLMServerManager.create(config=cfg, worker_group=wg)
-    finally:
-        PatReplica.driver_factory = old
-    yield cfg, manager
-    replicas = manager.get_replicas()
-
-    async def shutdown():
-        await asyncio.gather(*[r.shutdown() for r in replicas])
-
-    asyncio.run(shutdown())
-    for handle in [*(r.server_handle for r in replicas), manager.global_load_balancer, *wg.workers]:
-        ray.kill(handle)
-    from ray.util.placement_group import remove_placement_group
-
-    for pg in pool.get_placement_groups():
-        remove_placement_group(pg)
+    with pat_server_manager(cfg, fake_driver.FakeRolloutDriver, NUM_WORKERS, "pat_metrics_test") as manager:
+        yield cfg, manager
 
 
 @pytest.mark.verl

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import random
+import time
 from pathlib import Path
 
 from pat_rollout.config import PatRolloutConfig
@@ -56,3 +57,11 @@ def write_profile(path: Path, *, tps=(1, 2), fast_tp: int = 2) -> str:
     return str(path)
 
 
+
+
+def wait_first_done(futures, timeout: float = 120) -> None:
+    """Block until some request has finished: the long ones are then still mid-decode."""
+    t0 = time.time()
+    while not any(f.done() for f in futures):
+        assert time.time() - t0 < timeout, "no request finished"
+        time.sleep(0.005)

@@ -3,10 +3,8 @@ the base layout for the next stage, with outputs equal to a static 4xTP1 run."""
 
 from __future__ import annotations
 
-import time
-
 import pytest
-from pool_helpers import pool_config, skewed_requests
+from pool_helpers import pool_config, skewed_requests, wait_first_done
 
 from pat_rollout.workers.driver import RolloutDriver
 
@@ -24,8 +22,7 @@ def test_4xtp1_to_2xtp2_to_1xtp4(ray_cluster, tiny_models):
     driver = RolloutDriver(pool_config(tiny_models["qwen3"], **cfg))
     try:
         futures = [driver.submit(r) for r in requests]
-        while not any(f.done() for f in futures):
-            time.sleep(0.005)
+        wait_first_done(futures)
         driver.reconfigure(2)
         assert driver.layout.num_replicas == 2
         driver.reconfigure(4)

@@ -7,26 +7,12 @@ import dataclasses
 
 import pytest
 import torch
+from hf_reference import hf_greedy
 from pool_helpers import pool_config, skewed_requests
 
 from pat_rollout.workers.driver import RolloutDriver
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
-
-
-def _hf_greedy(model_path: str, requests) -> list[tuple[list[int], list[float]]]:
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float64).eval()
-    out = []
-    for r in requests:
-        ids = torch.tensor([r.prompt_token_ids])
-        with torch.no_grad():
-            res = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, output_logits=True,
-                                 max_new_tokens=r.sampling.max_new_tokens, return_dict_in_generate=True)
-        tokens = res.sequences[0, ids.shape[1]:].tolist()
-        out.append((tokens, [torch.log_softmax(lg[0], -1)[t].item() for lg, t in zip(res.logits, tokens)]))
-    return out
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
@@ -35,7 +21,7 @@ def test_dp1_dp2_tp2_match_hf(ray_cluster, tiny_models, arch):
     # EOS stops a request here, as in HF generate
     requests = [dataclasses.replace(r, sampling=dataclasses.replace(r.sampling, ignore_eos=False))
                 for r in skewed_requests(n=4, long_len=16, short_len=4)]
-    expected = _hf_greedy(tiny_models[arch], requests)
+    expected = hf_greedy(tiny_models[arch], requests)
     for num_devices, tp in ((1, 1), (2, 1), (2, 2)):
         driver = RolloutDriver(pool_config(tiny_models[arch], policy="static", num_devices=num_devices,
                                            initial_tp=tp))

@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 
 import pytest
-from pool_helpers import pool_config, skewed_requests
+from pool_helpers import pool_config, skewed_requests, wait_first_done
 
 from pat_rollout.workers.driver import RolloutDriver
 from pat_rollout.workers.reconfigure import ReconfigurationError
@@ -20,13 +20,6 @@ def _baseline(model_path: str, requests) -> list:
         return driver.generate(requests)
     finally:
         driver.shutdown()
-
-
-def _wait_first_done(futures, timeout: float = 120) -> None:
-    t0 = time.time()
-    while not any(f.done() for f in futures):
-        assert time.time() - t0 < timeout, "no request finished"
-        time.sleep(0.005)
 
 
 def _assert_same(outputs, reference) -> None:
@@ -46,7 +39,7 @@ def test_grow_and_shrink_mid_decode_match_static(ray_cluster, tiny_models, hando
     try:
         groups_before = driver.worker_info()
         futures = [driver.submit(r) for r in requests]
-        _wait_first_done(futures)
+        wait_first_done(futures)
         driver.reconfigure(2)  # 2 x TP1 -> 1 x TP2 while the long requests decode
         assert str(driver.layout).startswith("1xTP2")
         time.sleep(0.05)
@@ -73,7 +66,7 @@ def test_sampled_outputs_survive_reconfiguration(ray_cluster, tiny_models):
     driver = RolloutDriver(pool_config(tiny_models["qwen3"], kv_handoff="migrate"))
     try:
         futures = [driver.submit(r) for r in requests]
-        _wait_first_done(futures)
+        wait_first_done(futures)
         driver.reconfigure(2)
         outputs = [f.result(timeout=300) for f in futures]
     finally:
@@ -87,7 +80,7 @@ def test_failed_reshard_rolls_back_without_losing_requests(ray_cluster, tiny_mod
     driver = RolloutDriver(pool_config(tiny_models["llama"], kv_handoff="migrate"))
     try:
         futures = [driver.submit(r) for r in requests]
-        _wait_first_done(futures)
+        wait_first_done(futures)
         driver.group.call([1], "fail_next", "reshard")
         with pytest.raises(ReconfigurationError, match="injected failure in phase 'reshard' on device 1"):
             driver.reconfigure(2)
