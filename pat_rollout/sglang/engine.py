@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from pat_rollout.engine.base import Engine, EngineSnapshot, RunningInfo, StepResult
 from pat_rollout.sglang.launch import launch_engine
+from pat_rollout.sglang.pool_hooks import make_rid
 from pat_rollout.types import Request, RequestOutput, RequestState, SamplingParams
 
 if TYPE_CHECKING:
@@ -75,26 +76,35 @@ class SGLangEngine(Engine):
     Several SGLangEngine objects may live in one process (each has its own scheduler processes and ports).
     """
 
-    def __init__(self, model_path: str, *, tp_size: int = 1, device: str = "cpu", **server_overrides: Any):
+    def __init__(self, model_path: str, *, tp_size: int = 1, device: str = "cpu", sgl: Any = None,
+                 **server_overrides: Any):
+        """`sgl`: an already launched `sglang.Engine` to drive (SglPool); otherwise one is launched here."""
         self.model_path = model_path
         self.tp_size = tp_size
         t0 = time.perf_counter()
-        self.sgl = launch_engine(model_path, tp_size=tp_size, device=device, **server_overrides)
+        self.sgl = sgl if sgl is not None else launch_engine(model_path, tp_size=tp_size, device=device,
+                                                             **server_overrides)
         self.startup_s = time.perf_counter() - t0
         self.loop: asyncio.AbstractEventLoop = self.sgl.loop
         self._tracked: dict[str, _Tracked] = {}
         self._finished: list[RequestOutput] = []
+        # request id -> tokens SGLang found in its prefix cache, one entry per submission (a migrated request
+        # continues on its cached KV: its later submissions show the migrated prefix here).
+        self.cached_tokens: dict[str, list[int]] = {}
         info = self.sgl._scheduler_init_result.scheduler_infos[0]
         self.max_total_num_tokens = int(info["max_total_num_tokens"])
 
     # ---- submission ------------------------------------------------------------------------------
-    def add_requests(self, requests: Iterable[Request]) -> None:
+    def add_requests(self, requests: Iterable[Request], replica: int = 0) -> None:
+        """`replica`: which replica of an SglPool serves them (it is encoded in SGLang's rid)."""
         for r in requests:
             self._submit(_Tracked(request_id=r.request_id, prompt=r.prompt_token_ids, sampling=r.sampling,
-                                  rid=uuid.uuid4().hex))
+                                  rid=make_rid(replica, uuid.uuid4().hex)))
 
-    def import_requests(self, states: Iterable[RequestState], kv: dict[str, torch.Tensor] | None = None) -> None:
-        """Continue exported requests by recomputation: prompt + generated tokens are re-prefilled here."""
+    def import_requests(self, states: Iterable[RequestState], kv: dict[str, torch.Tensor] | None = None,
+                        replica: int = 0) -> None:
+        """Continue exported requests: prompt + generated tokens are prefilled here, except the prefix SGLang's
+        radix cache already holds (an SglPool switch puts migrated KV there)."""
         if kv:
             raise NotImplementedError("SGLangEngine: KV migration is not implemented; import without kv "
                                       "(recompute path)")
@@ -104,7 +114,7 @@ class SGLangEngine(Engine):
                                  f"(max_new_tokens={s.sampling.max_new_tokens}, "
                                  f"generated={len(s.output_token_ids)}): nothing left to continue")
             self._submit(_Tracked(request_id=s.request_id, prompt=s.prompt_token_ids, sampling=s.sampling,
-                                  rid=uuid.uuid4().hex, carried_ids=s.output_token_ids,
+                                  rid=make_rid(replica, uuid.uuid4().hex), carried_ids=s.output_token_ids,
                                   carried_log_probs=s.output_log_probs))
 
     def _submit(self, t: _Tracked) -> None:
@@ -127,6 +137,7 @@ class SGLangEngine(Engine):
             assert len(t.new_ids) == len(t.new_log_probs), (t.request_id, len(t.new_ids), len(t.new_log_probs))
             if meta.get("finish_reason") is not None:
                 t.finish_reason = _FINISH_REASONS[meta["finish_reason"]["type"]]
+                self.cached_tokens.setdefault(t.request_id, []).append(int(meta.get("cached_tokens", 0)))
 
     # ---- progress --------------------------------------------------------------------------------
     def step(self, num_steps: int = 1) -> StepResult:
@@ -162,6 +173,10 @@ class SGLangEngine(Engine):
         self._collect_done()
         out, self._finished = self._finished, []
         return out
+
+    def output_lengths(self) -> dict[str, int]:
+        """Tokens generated so far per unfinished request (as last streamed)."""
+        return {rid: len(t.output_ids) for rid, t in self._tracked.items()}
 
     def has_unfinished(self) -> bool:
         return bool(self._tracked)

@@ -69,3 +69,21 @@ def launch_engine(model_path: str, *, tp_size: int = 1, device: str = "cpu", **o
         from sglang.srt.entrypoints.engine import Engine as SglEngine
 
         return SglEngine(**server_kwargs(model_path, tp_size=tp_size, device=device, **overrides))
+
+
+_ENGINE_CLS: type | None = None
+
+
+def pat_engine_class() -> type:
+    """`sglang.Engine` whose scheduler processes carry pat_rollout's hooks and RPC methods (scheduler_hooks)."""
+    global _ENGINE_CLS
+    if _ENGINE_CLS is None:
+        from sglang.srt.entrypoints.engine import Engine as SglEngine
+
+        from pat_rollout.sglang import scheduler_hooks
+
+        class PatSglEngine(SglEngine):
+            run_scheduler_process_func = staticmethod(scheduler_hooks.run_scheduler_process)
+
+        _ENGINE_CLS = PatSglEngine
+    return _ENGINE_CLS

@@ -1,8 +1,9 @@
-"""The driver: owns the pool of shard actors, schedules requests onto DP replicas, runs the
-generation loop in a background thread and lets the planner reconfigure TP while it runs.
+"""The driver: owns a pool of devices (reference-engine shard actors or SGLang ranks), schedules
+requests onto DP replicas, runs the generation loop in a background thread and lets the planner
+reconfigure TP while it runs.
 
     loop: dispatch new requests -> step every busy replica k times -> resolve finished futures
-          -> every poll: snapshot -> planner.decide -> Reconfigurer.run
+          -> every poll: snapshot -> planner.decide -> pool.reconfigure
 """
 
 from __future__ import annotations
@@ -19,9 +20,9 @@ from pat_rollout.engine.base import RunningInfo
 from pat_rollout.engine.ref.config import RefEngineConfig, check_request
 from pat_rollout.layout import Layout, model_shard_specs
 from pat_rollout.types import Request, RequestOutput
-from pat_rollout.workers.group import WorkerError, WorkerGroup
 from pat_rollout.workers.metrics import StageMetrics
 from pat_rollout.workers.pat_planner import build_planner, cluster_state, handoff_cost, load_profile, prompt_key
+from pat_rollout.workers.pool import Pool, RefPool, WorkerError
 from pat_rollout.workers.reconfigure import ReconfigurationError, Reconfigurer
 
 logger = logging.getLogger(__name__)
@@ -31,30 +32,37 @@ class RolloutDriver:
     """A PAT rollout pool of `config.num_devices` devices. Thread-safe `submit`; blocking `generate`."""
 
     def __init__(self, config: PatRolloutConfig, *, num_cpus_per_worker: float = 1) -> None:
-        if config.backend != "reference":
-            raise NotImplementedError(
-                f"backend={config.backend!r}: the PAT driver runs only the reference engine so far; the SGLang "
-                "backend (pat_rollout/sglang) runs SGLang engines but is not yet wired into the driver's "
-                "reconfiguration protocol. Use engine_kwargs.pat.backend=reference.")
         self.config = config
-        # The engine's own config validates the checkpoint, so the pool fails before starting any actor.
-        self.engine_config = engine_cfg = RefEngineConfig(
-            model_path=config.model_path, dtype=config.dtype, max_tp=config.max_tp, block_size=config.block_size,
-            num_kv_blocks=config.num_kv_blocks, max_num_seqs=config.max_num_seqs)
-        self.spec = engine_cfg.model_spec()
-        for tp in config.tp_sizes:
-            engine_cfg.check_tp(self.spec, tp)
         self.base = Layout.uniform(config.num_devices, config.initial_tp)
-        self.layout = self.base
+        if config.backend == "reference":
+            # The engine's own config validates the checkpoint, so the pool fails before starting any actor.
+            self.engine_config = RefEngineConfig(
+                model_path=config.model_path, dtype=config.dtype, max_tp=config.max_tp, block_size=config.block_size,
+                num_kv_blocks=config.num_kv_blocks, max_num_seqs=config.max_num_seqs)
+            self.spec = self.engine_config.model_spec()
+            for tp in config.tp_sizes:
+                self.engine_config.check_tp(self.spec, tp)
+        else:
+            from pat_rollout.sglang.pool import check_model
+
+            self.engine_config = None
+            self.spec = check_model(config)
         needs_profile = config.policy == "pat" or (config.kv_handoff == "auto" and len(config.tp_sizes) > 1)
         self.profile = load_profile(config) if needs_profile else None
         self.planner = build_planner(config, self.spec, self.profile) if config.policy == "pat" else None
-        self.group = WorkerGroup(num_cpus_per_worker=num_cpus_per_worker, world_size=config.num_devices,
-                                 engine=engine_cfg, initial_layout=self.base, tp_sizes=config.tp_sizes)
-        self.reconfigurer = Reconfigurer(self.group, self.spec, model_shard_specs(self.spec, config.max_tp),
-                                         self.base, handoff=config.kv_handoff,
-                                         cost=handoff_cost(self.profile) if self.profile else None,
-                                         dtype_bytes=DTYPE_BYTES[config.dtype])
+        cost = handoff_cost(self.profile) if self.profile else None
+        if config.backend == "reference":
+            from pat_rollout.workers.group import WorkerGroup  # Ray: only the reference backend's actors need it
+
+            group = WorkerGroup(num_cpus_per_worker=num_cpus_per_worker, world_size=config.num_devices,
+                                engine=self.engine_config, initial_layout=self.base, tp_sizes=config.tp_sizes)
+            reconfigurer = Reconfigurer(group, self.spec, model_shard_specs(self.spec, config.max_tp), self.base,
+                                        handoff=config.kv_handoff, cost=cost, dtype_bytes=DTYPE_BYTES[config.dtype])
+            self.pool: Pool = RefPool(group, reconfigurer, self.base)
+        else:
+            from pat_rollout.sglang.pool import SglPool
+
+            self.pool = SglPool(config, self.spec, self.base, cost=cost)
         self._lock = threading.Condition()
         self._inbox: list[tuple[Request, cf.Future]] = []
         self._futures: dict[str, cf.Future] = {}
@@ -75,11 +83,18 @@ class RolloutDriver:
         self._thread.start()
 
     # ---- public API -------------------------------------------------------------------------------
+    @property
+    def layout(self) -> Layout:
+        return self.pool.layout
+
     def submit(self, request: Request) -> cf.Future:
         """Queue `request`; the future resolves to its RequestOutput. Requests that can never run
         (too long, token ids outside the vocab, more KV than a device holds) raise ValueError here."""
-        check_request(request.request_id, request.prompt_token_ids, request.sampling.max_new_tokens, self.spec,
-                      self.engine_config)
+        if self.engine_config is not None:
+            check_request(request.request_id, request.prompt_token_ids, request.sampling.max_new_tokens, self.spec,
+                          self.engine_config)
+        else:
+            self.pool.check_request(request)
         fut: cf.Future = cf.Future()
         with self._lock:
             if self._stop:
@@ -116,15 +131,14 @@ class RolloutDriver:
         """Load new full weights on every device; the pool returns to its base layout first."""
         self._wait_idle()
         self._to_base()
-        batch = list(named_tensors)
-        self.group.call(range(self.group.num_devices), "update_weights", batch, what="update_weights")
+        self.pool.update_weights(list(named_tensors))
 
     def release(self, tags: Iterable[str] = ("weights", "kv_cache")) -> None:
         self._wait_idle()
-        self.group.call(range(self.group.num_devices), "release", list(tags), what="release")
+        self.pool.release(list(tags))
 
     def resume(self, tags: Iterable[str] = ("weights", "kv_cache")) -> None:
-        self.group.call(range(self.group.num_devices), "resume", list(tags), what="resume")
+        self.pool.resume(list(tags))
 
     def abort_all(self) -> list[RequestOutput]:
         with self._lock:
@@ -138,14 +152,14 @@ class RolloutDriver:
         return stage.as_dict() if stage else {}
 
     def worker_info(self) -> list[dict[str, Any]]:
-        return self.group.call(range(self.group.num_devices), "info")
+        return self.pool.info()
 
     def shutdown(self) -> None:
         with self._lock:
             self._stop = True
             self._lock.notify_all()
         self._thread.join(timeout=30)
-        self.group.shutdown()
+        self.pool.shutdown()
 
     # ---- background loop --------------------------------------------------------------------------
     def _wait_idle(self) -> None:
@@ -198,8 +212,7 @@ class RolloutDriver:
 
     def _to_base(self) -> None:
         if self.layout != self.base:
-            result = self.reconfigurer.run(self.layout, self.base.tp_size, self._assignment)
-            self.layout = result.dst
+            self.pool.reconfigure(self.base.tp_size, self._assignment)
 
     def _dispatch(self, new: list[tuple[Request, cf.Future]]) -> None:
         if not new:
@@ -216,19 +229,16 @@ class RolloutDriver:
             self._futures[req.request_id] = fut
             self._requests[req.request_id] = req
             self._prompt_keys[req.request_id] = prompt_key(req.prompt_token_ids)
-        calls = {d: ("add_requests", (reqs,)) for r, reqs in per_replica.items() for d in self.layout.groups[r]}
-        self.group.call_each(calls, what="add_requests")
+        self.pool.add_requests(per_replica)
 
     def _poll(self) -> None:
         busy = sorted({r for r in self._assignment.values()})
-        devices = [d for r in busy for d in self.layout.groups[r]]
-        k = self.config.steps_per_poll
-        results = dict(zip(devices, self.group.call(devices, "step", k, what="decode step")))
+        results = self.pool.step(busy, self.config.steps_per_poll)
         self._num_polls += 1
         self._stage.num_polls += 1
         done = []
         for r in busy:
-            step, snap = results[self.layout.groups[r][0]]
+            step, snap = results[r]
             self._stage.num_decode_tokens += step.num_decode_tokens
             done.extend(self._finish(out) for out in step.finished)
             for info in snap.running:
@@ -274,14 +284,12 @@ class RolloutDriver:
 
     def _apply_reconfigure(self, tp: int) -> None:
         try:
-            result = self.reconfigurer.run(self.layout, tp, self._assignment)
-        except ReconfigurationError:
+            result = self.pool.reconfigure(tp, self._assignment)
+        except ReconfigurationError as e:
             self._stage.num_failed_reconfigs += 1
-            self.layout = self.base
-            self._assignment = dict(self.reconfigurer.last_rollback_assignment)
+            self._assignment = dict(e.assignment)
             self._stage.record_layout(str(self.layout))
             raise
-        self.layout = result.dst
         self.last_reconfig = result
         self._assignment = {rid: result.assignment[rid] for rid in self._assignment}
         self._stage.num_reconfigs += 1
@@ -311,9 +319,7 @@ class RolloutDriver:
     def _do_abort(self, new: list[tuple[Request, cf.Future]]) -> None:
         outs = []
         if self._futures:
-            per_device = self.group.call(range(self.group.num_devices), "abort_all", what="abort")
-            for group in self.layout.groups:
-                outs.extend(per_device[group[0]])
+            outs.extend(self.pool.abort_all())
         done = [self._finish(out) for out in outs]
         if self._stage is not None and not self._futures:
             self._end_stage()

@@ -10,17 +10,12 @@ from typing import Any
 
 import ray
 
+from pat_rollout.workers.pool import WorkerError
 from pat_rollout.workers.shard_worker import ShardWorker, WorkerInit
 
 logger = logging.getLogger(__name__)
 
-
-class WorkerError(RuntimeError):
-    """A worker call failed; `devices` names the actors involved."""
-
-    def __init__(self, message: str, devices: Sequence[int]) -> None:
-        super().__init__(message)
-        self.devices = tuple(devices)
+__all__ = ["WorkerError", "WorkerGroup"]
 
 
 def _free_port() -> int:

@@ -13,19 +13,25 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from pat_rollout.kv.cost import HandoffCost, choose_handoff
 from pat_rollout.kv.plan import plan_kv
 from pat_rollout.layout import Layout
 from pat_rollout.layout.transition import plan_layout, plan_weights
 from pat_rollout.types import ModelSpec, RequestState
-from pat_rollout.workers.group import WorkerGroup
+
+if TYPE_CHECKING:
+    from pat_rollout.workers.group import WorkerGroup
 
 logger = logging.getLogger(__name__)
 
 
 class ReconfigurationError(RuntimeError):
-    """A reconfiguration failed; the pool was rolled back and no request was lost."""
+    """A reconfiguration failed; the pool was rolled back and no request was lost. `assignment`
+    (request id -> replica of the base layout) says where each unfinished request runs now."""
+
+    assignment: dict[str, int] = {}
 
 
 @dataclass(slots=True)
@@ -39,7 +45,7 @@ class ReconfigResult:
     total_s: float = 0.0
 
 
-def _balance(states: list[RequestState], num_replicas: int) -> dict[str, int]:
+def balance(states: list[RequestState], num_replicas: int) -> dict[str, int]:
     """Assign requests to replicas, longest context first onto the least-loaded replica."""
     load = [0] * num_replicas
     out: dict[str, int] = {}
@@ -77,7 +83,7 @@ class Reconfigurer:
         states = _unique_states(src, per_device)
         result.phase_s["export"] = time.perf_counter() - t
         try:
-            assignment = _balance(states, dst.num_replicas)
+            assignment = balance(states, dst.num_replicas)
             migrated, recomputed = [], []
             for s in states:
                 (migrated if self._method(s, dst) == "migrate" else recomputed).append(s)
@@ -126,7 +132,7 @@ class Reconfigurer:
     def _rollback(self, states: list[RequestState]) -> None:
         devices = range(self.group.num_devices)
         self.group.call(devices, "rollback", self.base, what="rollback")
-        assignment = _balance(states, self.base.num_replicas)
+        assignment = balance(states, self.base.num_replicas)
         self._import(self.base, states, assignment, set(), what="rollback import")
         self.last_rollback_assignment = assignment
 

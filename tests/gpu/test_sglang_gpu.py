@@ -1,5 +1,6 @@
-"""GPU check of the SGLang backend on a real model: greedy tokens equal HF transformers, and a mid-decode
-TP=1 -> TP=2 recompute switch equals an unswitched run.
+"""GPU check of the SGLang backend on a real model: greedy tokens equal HF transformers; with 2 GPUs, the PAT
+driver on an SglPool switches 2 x TP=1 -> 1 x TP=2 -> 2 x TP=1 mid-decode (KV migration, then recomputation)
+and its outputs equal an unswitched run.
 
 Skipped without CUDA or sglang. Set PAT_SGLANG_GPU_MODEL to a local HF checkpoint (Llama or Qwen3), e.g.
   PAT_SGLANG_GPU_MODEL=/models/Qwen3-0.6B python -m pytest tests/gpu/test_sglang_gpu.py -q
@@ -76,3 +77,36 @@ def test_sglang_gpu_equals_hf_and_switch():
             c.shutdown()
     finally:
         a.shutdown()
+
+
+@pytest.mark.parametrize("handoff", ["migrate", "recompute"])
+def test_sglang_pool_gpu_switch_equals_unswitched(handoff):
+    if torch.cuda.device_count() < 2:
+        pytest.skip("the pool switch needs 2 GPUs")
+    import time
+
+    from pat_rollout.config import PatRolloutConfig
+    from pat_rollout.sglang.engine import SGLangEngine
+    from pat_rollout.workers.driver import RolloutDriver
+
+    max_new = 256
+    a = SGLangEngine(MODEL, tp_size=1, device="cuda", dtype=DTYPE, mem_fraction_static=0.3)
+    try:
+        a.add_requests(_requests(max_new))
+        ref = {o.request_id: o for o in a.run_to_completion()}
+    finally:
+        a.shutdown()
+    cfg = PatRolloutConfig(model_path=MODEL, num_devices=2, backend="sglang", initial_tp=1, candidate_tps=(1, 2),
+                           policy="manual", kv_handoff=handoff, dtype=DTYPE, steps_per_poll=4)
+    driver = RolloutDriver(cfg)
+    try:
+        futures = {r.request_id: driver.submit(r) for r in _requests(max_new)}
+        for tp, n in ((2, 16), (1, 128)):
+            while not all(rid in driver._progress and driver._progress[rid].num_output_tokens >= n for rid in futures):
+                time.sleep(0.005)
+            driver.reconfigure(tp)
+        outs = {rid: f.result(timeout=600) for rid, f in futures.items()}
+        for rid, o in ref.items():
+            assert outs[rid].token_ids[:EXACT] == o.token_ids[:EXACT], rid
+    finally:
+        driver.shutdown()

@@ -81,7 +81,7 @@ def test_failed_reshard_rolls_back_without_losing_requests(ray_cluster, tiny_mod
     try:
         futures = [driver.submit(r) for r in requests]
         wait_first_done(futures)
-        driver.group.call([1], "fail_next", "reshard")
+        driver.pool.group.call([1], "fail_next", "reshard")
         with pytest.raises(ReconfigurationError, match="injected failure in phase 'reshard' on device 1"):
             driver.reconfigure(2)
         assert str(driver.layout).startswith("2xTP1")

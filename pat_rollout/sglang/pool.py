@@ -1,0 +1,274 @@
+"""`SglPool`: the driver's pool on real SGLang engines (`engine_kwargs.pat.backend=sglang`).
+
+One `sglang.Engine` with one scheduler process per device (SGLang TP = number of devices); its ranks serve as
+the replicas of the current PAT layout (`pool_hooks`: cached groups per layout, per-replica request routing and
+output). A layout switch (`pool_switch.pat_switch`) aborts every unfinished request through SGLang's API, keeps
+its tokens and log-probs, moves the KV of the requests chosen for migration between the ranks' radix caches with
+pat_rollout's KV plan, reshards SGLang's parameters in place, rebuilds its modules for the new groups, and
+resubmits every request to its new replica (migrated ones hit the prefix cache, the rest re-prefill).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+from pat_rollout.config import DTYPE_BYTES, PatRolloutConfig
+from pat_rollout.engine.base import EngineSnapshot, StepResult
+from pat_rollout.kv.cost import HandoffCost, choose_handoff
+from pat_rollout.layout import Layout
+from pat_rollout.layout.reachable import reachable_layouts
+from pat_rollout.layout.transition import plan_layout
+from pat_rollout.types import ModelSpec, Request, RequestOutput, RequestState
+from pat_rollout.workers.pool import Pool
+from pat_rollout.workers.reconfigure import ReconfigResult, ReconfigurationError, balance
+
+logger = logging.getLogger(__name__)
+
+INSTALL_HINT = "install it with `make install-sglang` (see pat_rollout/sglang/INSTALL.md)"
+
+
+def check_model(config: PatRolloutConfig) -> ModelSpec:
+    """Fail before any process starts: SGLang importable, a HF config, TP sizes that divide the heads, and
+    layouts SGLang's groups can express (every group in ascending rank order)."""
+    import importlib.util
+
+    if importlib.util.find_spec("sglang") is None:
+        raise RuntimeError(f"backend='sglang' needs SGLang, which is not installed in this environment; {INSTALL_HINT}")
+    cfg_path = Path(config.model_path) / "config.json"
+    if not cfg_path.is_file():
+        raise ValueError(f"model_path={config.model_path!r} has no config.json (missing or not a HF model folder)")
+    spec = ModelSpec.from_hf_config(json.loads(cfg_path.read_text()))
+    for tp in config.tp_sizes:
+        spec.check_tp(tp)
+    pool_layouts(config)
+    return spec
+
+
+def pool_layouts(config: PatRolloutConfig) -> dict[int, Layout]:
+    """Every layout the pool can be in, by TP size. SGLang builds a group from a sorted rank list and gathers
+    in that order, so a layout whose in-place rank order is not ascending (e.g. 4 devices TP2 -> TP4 gives
+    (0, 2, 1, 3)) cannot be expressed; such TP sets are refused up front."""
+    base = Layout.uniform(config.num_devices, config.initial_tp)
+    layouts = {lay.tp_size: lay for lay in reachable_layouts(base, config.tp_sizes)}
+    for tp, lay in layouts.items():
+        if any(list(g) != sorted(g) for g in lay.groups):
+            raise ValueError(f"backend='sglang': layout {lay} (TP {tp}) reached from {base} has a group whose "
+                             "in-place rank order is not ascending, which SGLang's groups cannot express; use "
+                             f"fewer TP sizes (e.g. candidate_tps=[{config.initial_tp}, {config.num_devices}])")
+    return layouts
+
+
+def launch_pool_engine(config: PatRolloutConfig, layouts: dict[int, Layout], device: str, **overrides: Any):
+    from pat_rollout.sglang.launch import engine_env, pat_engine_class, patched_environ, server_kwargs
+    from pat_rollout.sglang.pool_hooks import POOL_ENV
+
+    env = engine_env(config.num_devices, device)
+    env["SGLANG_ENABLE_RANK_CONSENSUS_CHECKER"] = "0"  # ranks of different replicas diverge by design
+    base = Layout.uniform(config.num_devices, config.initial_tp)
+    env[POOL_ENV] = json.dumps({"base": [list(g) for g in base.groups],
+                                "layouts": {str(tp): [list(g) for g in lay.groups] for tp, lay in layouts.items()}})
+    # No overlap scheduling: a switch RPC must find no batch in flight (the overlap loop processes the previous
+    # batch's result after the next iteration's input requests, i.e. after the switch). No CUDA graphs: they
+    # would capture the base layout's modules, which a switch replaces (recapture per layout is future work).
+    kw = dict(dtype=config.dtype, random_seed=config.seed, disable_overlap_schedule=True, disable_cuda_graph=True)
+    kw.update(overrides)
+    with patched_environ(env, unset=("SGLANG_CPU_OMP_THREADS_BIND",)):
+        return pat_engine_class()(**server_kwargs(config.model_path, tp_size=config.num_devices, device=device, **kw))
+
+
+class SglPool(Pool):
+    """`config.num_devices` SGLang ranks grouped into the current layout. Not thread-safe (driver thread only)."""
+
+    def __init__(self, config: PatRolloutConfig, spec: ModelSpec, base: Layout, *, cost: HandoffCost | None = None,
+                 device: str | None = None, **server_overrides: Any) -> None:
+        import torch
+
+        from pat_rollout.sglang.engine import SGLangEngine
+
+        self.config, self.spec, self.cost = config, spec, cost
+        self.num_devices = config.num_devices
+        self.base = self.layout = base
+        self.layouts = pool_layouts(config)
+        self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        t0 = time.perf_counter()
+        sgl = launch_pool_engine(config, self.layouts, self.device, **server_overrides)
+        self.client = SGLangEngine(config.model_path, tp_size=config.num_devices, sgl=sgl)
+        self.startup_s = time.perf_counter() - t0
+        self.workdir = tempfile.mkdtemp(prefix="pat-sglpool-")
+        self._replica: dict[str, int] = {}  # request id -> replica in the current layout
+        self._rpc("pat_backup_base")
+        logger.info("SglPool up in %.1f s: %d SGLang ranks on %s, layout %s", self.startup_s, self.num_devices,
+                    self.device, base)
+
+    # ---- helpers ---------------------------------------------------------------------------------
+    def _rpc(self, method: str, **kw: Any) -> list[dict] | None:
+        """`collective_rpc` on every rank; methods taking `path` write one JSON per rank, returned in rank order."""
+        asyncio.set_event_loop(self.client.loop)
+        if "path" in kw:
+            kw["path"] = os.path.join(self.workdir, method)
+        self.client.sgl.collective_rpc(method, **kw)
+        if "path" not in kw:
+            return None
+        return [json.loads(Path(f"{kw['path']}.rank{r}.json").read_text()) for r in range(self.num_devices)]
+
+    def check_request(self, request: Request) -> None:
+        prompt, spec = request.prompt_token_ids, self.spec
+        if bad := [t for t in prompt if not 0 <= t < spec.vocab_size]:
+            raise ValueError(f"request {request.request_id!r}: token ids {bad[:8]} outside vocab [0, {spec.vocab_size})")
+        total = len(prompt) + request.sampling.max_new_tokens
+        if total > spec.max_position_embeddings:
+            raise ValueError(f"request {request.request_id!r}: prompt {len(prompt)} + max_new_tokens "
+                             f"{request.sampling.max_new_tokens} = {total} > max_position_embeddings="
+                             f"{spec.max_position_embeddings}")
+        if total > self.client.max_total_num_tokens:
+            raise ValueError(f"request {request.request_id!r} can never fit: {total} tokens > the KV pool's "
+                             f"{self.client.max_total_num_tokens} tokens")
+
+    # ---- serving ---------------------------------------------------------------------------------
+    def add_requests(self, per_replica: dict[int, list[Request]]) -> None:
+        asyncio.set_event_loop(self.client.loop)
+        for r, reqs in per_replica.items():
+            self.client.add_requests(reqs, replica=r)
+            self._replica.update({q.request_id: r for q in reqs})
+
+    def step(self, replicas: Iterable[int], num_steps: int) -> dict[int, tuple[StepResult, EngineSnapshot]]:
+        asyncio.set_event_loop(self.client.loop)
+        replicas = list(replicas)
+        before = self.client.output_lengths()
+        res = self.client.step(num_steps)
+        after = self.client.output_lengths()
+        snap = self.client.snapshot()
+        out: dict[int, tuple[StepResult, EngineSnapshot]] = {}
+        for r in replicas:
+            finished = tuple(o for o in res.finished if self._replica.get(o.request_id, replicas[0]) == r)
+            mine = {rid for rid, rep in self._replica.items() if rep == r}
+            decoded = sum(after.get(rid, 0) - before.get(rid, 0) for rid in mine if rid in after)
+            decoded += sum(len(o.token_ids) - before.get(o.request_id, len(o.token_ids)) for o in finished)
+            running = tuple(i for i in snap.running if i.request_id in mine)
+            out[r] = (StepResult(finished=finished, num_steps=num_steps, num_decode_tokens=decoded,
+                                 num_prefill_tokens=0, num_running=len(running), num_waiting=0,
+                                 elapsed_s=res.elapsed_s),
+                      EngineSnapshot(running=running, num_waiting=0, num_free_blocks=snap.num_free_blocks,
+                                     num_total_blocks=snap.num_total_blocks, block_size=snap.block_size))
+        for o in res.finished:
+            self._replica.pop(o.request_id, None)
+        return out
+
+    def abort_all(self) -> list[RequestOutput]:
+        asyncio.set_event_loop(self.client.loop)
+        outs = self.client.abort_all()
+        self._replica.clear()
+        return outs
+
+    # ---- reconfiguration -------------------------------------------------------------------------
+    def reconfigure(self, dst_tp: int, assignment: dict[str, int]) -> ReconfigResult:
+        asyncio.set_event_loop(self.client.loop)
+        t_start = time.perf_counter()
+        src = self.layout
+        self.spec.check_tp(dst_tp)
+        dst = plan_layout(src, dst_tp)
+        if dst != self.layouts.get(dst_tp):
+            raise ValueError(f"{src} -> TP{dst_tp} gives {dst}, not one of this pool's layouts {self.layouts}")
+        result = ReconfigResult(src=src, dst=dst)
+        t = time.perf_counter()
+        states = self.client.export_requests(None)  # abort; tokens + log-probs come back with the aborts
+        result.phase_s["export"] = time.perf_counter() - t
+        new_assign = balance(states, dst.num_replicas)
+        migrated = [s for s in states if self._method(s, dst) == "migrate"]
+        moves = [[s.request_id, list(s.prompt_token_ids + s.output_token_ids), self._replica[s.request_id],
+                  new_assign[s.request_id]] for s in migrated]
+        try:
+            per_rank = self._rpc("pat_switch", dst_groups=[list(g) for g in dst.groups], moves=moves, path="")
+        except Exception as e:
+            self._rollback(states)
+            err = ReconfigurationError(f"SGLang switch {src} -> TP{dst_tp} failed ({e}); rolled back to base layout "
+                                       f"{self.base}, {len(states)} unfinished requests resubmitted for recomputation")
+            err.assignment = {rid: self._replica[rid] for rid in assignment if rid in self._replica}
+            raise err from e
+        self.layout = dst
+        for phase in ("kv_handoff", "reshard", "switch"):
+            result.phase_s[phase] = max(r["phase_s"][phase] for r in per_rank)
+        t = time.perf_counter()
+        self._submit(states, new_assign)
+        result.phase_s["import"] = time.perf_counter() - t
+        cached = per_rank[0]["cached_tokens"]
+        # Requests that finished on their own before the abort landed come back from the next step (replica 0).
+        for rid in assignment:
+            if rid not in new_assign:
+                self._replica[rid] = 0
+        result.assignment = {rid: self._replica[rid] for rid in assignment}
+        result.migrated = tuple(rid for rid in cached if cached[rid] > 0)
+        result.recomputed = tuple(s.request_id for s in states if s.request_id not in result.migrated)
+        result.total_s = time.perf_counter() - t_start
+        self.last_switch = per_rank
+        logger.info("SGLang pool %s -> %s in %.3f s: %s; %d migrated, %d recomputed", src, dst, result.total_s,
+                    {k: round(v, 4) for k, v in result.phase_s.items()}, len(result.migrated), len(result.recomputed))
+        return result
+
+    def _method(self, s: RequestState, dst: Layout) -> str:
+        if self.config.kv_handoff != "auto":
+            return self.config.kv_handoff
+        if self.cost is None:
+            raise ValueError("kv_handoff='auto' needs a HandoffCost (measured constants from a latency profile)")
+        kv_bytes = self.spec.kv_bytes_per_token(1, DTYPE_BYTES[self.config.dtype])
+        return choose_handoff(s.num_tokens - 1, kv_bytes, dst.tp_size, "auto", cost=self.cost).method.value
+
+    def _submit(self, states: list[RequestState], assign: dict[str, int]) -> None:
+        by_replica: dict[int, list[RequestState]] = {}
+        for s in states:
+            by_replica.setdefault(assign[s.request_id], []).append(s)
+        for r, ss in sorted(by_replica.items()):
+            self.client.import_requests(ss, replica=r)
+            self._replica.update({s.request_id: r for s in ss})
+
+    def _rollback(self, states: list[RequestState]) -> None:
+        self._rpc("pat_restore_base", path="")
+        self.layout = self.base
+        self._submit(states, balance(states, self.base.num_replicas))
+
+    # ---- weights, memory, info -------------------------------------------------------------------
+    def update_weights(self, named_tensors: list[tuple[str, Any]]) -> None:
+        asyncio.set_event_loop(self.client.loop)
+        if self.layout != self.base:
+            raise RuntimeError(f"update_weights in layout {self.layout}; return to the base layout {self.base} first")
+        self.client.update_weights(named_tensors)
+        self._rpc("pat_backup_base")
+
+    def release(self, tags: list[str]) -> None:
+        asyncio.set_event_loop(self.client.loop)
+        self.client.release(tags)
+
+    def resume(self, tags: list[str]) -> None:
+        asyncio.set_event_loop(self.client.loop)
+        self.client.resume(tags)
+
+    def info(self) -> list[dict[str, Any]]:
+        return self._rpc("pat_pool_info", path="")
+
+    def save_params(self, path: str) -> list[dict]:
+        """Every rank's live SGLang parameters (its shard in the current layout), index = WORLD rank."""
+        import torch
+
+        asyncio.set_event_loop(self.client.loop)
+        self.client.sgl.collective_rpc("pat_save_params", path=path)
+        return [torch.load(f"{path}.rank{r}.pt", weights_only=False) for r in range(self.num_devices)]
+
+    def fail_next(self, phase: str | None) -> None:
+        """Test hook: every rank raises in switch phase `phase` (export, kv, reshard, switch) of the next switch."""
+        self._rpc("pat_fail_next", phase=phase)
+
+    def shutdown(self) -> None:
+        asyncio.set_event_loop(self.client.loop)
+        try:
+            self.client.shutdown()
+        finally:
+            shutil.rmtree(self.workdir, ignore_errors=True)

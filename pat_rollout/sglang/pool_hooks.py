@@ -1,0 +1,213 @@
+"""Scheduler-process side of `SglPool`: the N ranks of one SGLang engine serve as the replicas of a PAT layout.
+
+Installed by `scheduler_hooks.run_scheduler_process` when `PAT_SGLANG_POOL` holds the pool's JSON
+(`{"base": groups, "layouts": {tp: groups}}`, device ids = WORLD ranks). What changes in SGLang's scheduler:
+
+- groups: one `GroupCoordinator` per layout whose TP is not the WORLD's, created once at start-up (a collective
+  over the WORLD) and never destroyed; the WORLD-sized layout uses SGLang's own TP group;
+- build: model, KV pool and attention backend are built under the base layout's group
+  (`patch_tensor_parallel_group`), so each rank of a 2xTP1 pool holds a TP=1 replica (full weights, all KV heads);
+- forward: every forward runs under the current layout's group;
+- routing: WORLD rank 0 still receives every request and broadcasts it to all ranks (SGLang's only request path),
+  and each rank keeps the generate requests whose rid names its replica (`pat-r{replica}-...`). Aborts and control
+  requests reach every rank; an abort of a request a rank does not hold is a no-op there;
+- output: the first rank of each replica sends its replica's outputs to the tokenizer manager (ranks other than 0
+  get their own PUSH socket); control answers stay with WORLD rank 0 only.
+
+Ranks of different replicas run different batches, but their event loops stay in step: each iteration starts with
+rank 0's request broadcast over the WORLD CPU group. Only stdlib/torch/pat_rollout at import time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+POOL_ENV = "PAT_SGLANG_POOL"
+RID_PREFIX = "pat-r"
+
+
+def make_rid(replica: int, unique: str) -> str:
+    """Request id that routes to `replica`; fixed length per replica (SGLang aborts match rids by prefix)."""
+    return f"{RID_PREFIX}{replica}-{unique}"
+
+
+def replica_of_rid(rid: str) -> int | None:
+    if not rid.startswith(RID_PREFIX):
+        return None
+    head, sep, _ = rid[len(RID_PREFIX):].partition("-")
+    return int(head) if sep and head.isdigit() else None
+
+
+@dataclass(slots=True)
+class PoolState:
+    """This rank's view of the pool. `groups` is the current layout (tuples of WORLD ranks, TP-rank order)."""
+
+    rank: int
+    world: int
+    base: tuple[tuple[int, ...], ...]
+    groups: tuple[tuple[int, ...], ...]
+    layouts: dict[int, tuple[tuple[int, ...], ...]]
+    coordinators: dict[int, Any] = field(default_factory=dict)  # tp -> GroupCoordinator (tp != world)
+    backup: dict[str, torch.Tensor] | None = None  # host copy of the base layout's params (rollback)
+    fail_next: str | None = None  # fault injection for tests: a switch phase name
+
+    @property
+    def tp(self) -> int:
+        return len(self.groups[0])
+
+    @property
+    def replica(self) -> int:
+        return next(i for i, g in enumerate(self.groups) if self.rank in g)
+
+    @property
+    def is_leader(self) -> bool:
+        return self.groups[self.replica][0] == self.rank
+
+    def coordinator(self, tp: int | None = None):
+        """The cached group for TP `tp` (current by default); None for the WORLD's TP (SGLang's own `_TP`)."""
+        tp = self.tp if tp is None else tp
+        return None if tp == self.world else self.coordinators[tp]
+
+
+STATE: PoolState | None = None
+
+
+def tp_context(tp: int | None = None):
+    """Run under the layout of TP `tp` (current by default): SGLang's `patch_tensor_parallel_group` with the
+    cached group, or nothing for the WORLD-sized layout."""
+    from sglang.srt.distributed.parallel_state import patch_tensor_parallel_group
+
+    coord = STATE.coordinator(tp)
+    return contextlib.nullcontext() if coord is None else patch_tensor_parallel_group(coord, owns_attention=True)
+
+
+def _build_groups(state: PoolState) -> None:
+    """Every rank calls this at the same point (inside start-up): one new group per non-WORLD layout."""
+    import torch.distributed as dist
+    from sglang.srt.distributed.parallel_state import get_world_group, init_model_parallel_group
+
+    if state.coordinators:
+        return
+    world = get_world_group()
+    for tp, groups in sorted(state.layouts.items()):
+        if tp == state.world:
+            continue
+        state.coordinators[tp] = init_model_parallel_group(
+            [list(g) for g in groups], world.local_rank, dist.get_backend(world.device_group), use_pynccl=False,
+            use_custom_allreduce=False, group_name=f"pat_tp{tp}")
+
+
+class _LeaderSender:
+    """SGLang's `SenderWrapper` interface; sends only while this rank leads its replica."""
+
+    def __init__(self, socket) -> None:
+        self.socket = socket
+
+    def send_output(self, output, recv_obj=None) -> None:
+        from sglang.srt.managers.scheduler_components.output_sender import SenderWrapper
+
+        if STATE is not None and STATE.is_leader and self.socket is not None:
+            SenderWrapper(self.socket).send_output(output, recv_obj)
+
+
+def _install_output_path() -> None:
+    from sglang.srt.managers.scheduler import Scheduler
+    from sglang.srt.utils.network import get_zmq_socket
+
+    orig_init, orig_abort = Scheduler.init_ipc_channels, Scheduler.send_abort_output
+
+    def init_ipc_channels(self, port_args) -> None:
+        orig_init(self, port_args)
+        if not self.skip_tokenizer_init:
+            raise RuntimeError("SglPool needs skip_tokenizer_init=True (outputs go straight to the tokenizer side)")
+        if STATE.rank == 0:  # rank 0 always leads its replica (groups are sorted): SGLang's own sockets stay
+            return
+        import zmq
+
+        sock = get_zmq_socket(zmq.Context(1), zmq.PUSH, port_args.tokenizer_ipc_name, False)
+        self._pat_sender = _LeaderSender(sock)
+        self.ipc_channels = dataclasses.replace(self.ipc_channels, send_to_detokenizer=self._pat_sender)
+
+    def send_abort_output(self, abort_req, req) -> None:  # a queued request aborted on a rank other than 0
+        sender = getattr(self, "_pat_sender", None)
+        if sender is None:
+            return orig_abort(self, abort_req, req)
+        sender.send_output(abort_req, req)
+
+    Scheduler.init_ipc_channels = init_ipc_channels
+    Scheduler.send_abort_output = send_abort_output
+
+
+def _install_routing() -> None:
+    from sglang.srt.managers.io_struct import TokenizedGenerateReqInput
+    from sglang.srt.managers.scheduler import Scheduler
+
+    orig = Scheduler.process_input_requests
+
+    def process_input_requests(self, recv_reqs):
+        mine = STATE.replica
+        keep = [r for r in recv_reqs if not isinstance(r, TokenizedGenerateReqInput)
+                or (replica_of_rid(r.rid) or 0) == mine]
+        return orig(self, keep)
+
+    Scheduler.process_input_requests = process_input_requests
+
+
+def _install_build_and_forward() -> None:
+    from sglang.srt.managers.scheduler import Scheduler
+    from sglang.srt.managers.tp_worker import TpModelWorker
+    from sglang.srt.model_executor.model_runner_components.weight_updater import WeightUpdater
+
+    def under_base(orig):
+        def run(self, *a, **kw):
+            _build_groups(STATE)
+            with tp_context():
+                return orig(self, *a, **kw)
+        return run
+
+    # Model, KV pools and attention backends are built for the base layout; the scheduler's own groups
+    # (request broadcast, barriers) stay SGLang's WORLD-sized TP group.
+    for name in ("init_tp_model_worker", "init_memory_pools", "init_all_attention_backends"):
+        setattr(Scheduler, name, under_base(getattr(Scheduler, name)))
+    orig_fwd = TpModelWorker.forward_batch_generation
+    orig_update = WeightUpdater.update_weights_from_tensor
+
+    def forward_batch_generation(self, *a, **kw):
+        with tp_context():
+            return orig_fwd(self, *a, **kw)
+
+    def update_weights_from_tensor(self, *a, **kw):  # weight loaders shard for the current layout
+        with tp_context():
+            return orig_update(self, *a, **kw)
+
+    TpModelWorker.forward_batch_generation = forward_batch_generation
+    WeightUpdater.update_weights_from_tensor = update_weights_from_tensor
+
+
+def install() -> bool:
+    """Set up this scheduler process as a pool rank if `PAT_SGLANG_POOL` is set; returns whether it was."""
+    global STATE
+    raw = os.environ.get(POOL_ENV)
+    if not raw:
+        return False
+    cfg = json.loads(raw)
+    layouts = {int(tp): tuple(tuple(g) for g in groups) for tp, groups in cfg["layouts"].items()}
+    base = tuple(tuple(g) for g in cfg["base"])
+    world = sum(len(g) for g in base)
+    # Which WORLD rank this process is: set by SGLang before the scheduler runs, read lazily.
+    STATE = PoolState(rank=-1, world=world, base=base, groups=base, layouts=layouts)
+    _install_output_path()
+    _install_routing()
+    _install_build_and_forward()
+    return True
+
+
+def set_rank(rank: int) -> None:
+    STATE.rank = rank

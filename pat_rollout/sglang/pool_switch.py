@@ -1,0 +1,256 @@
+"""Scheduler-process side of an `SglPool` layout switch: `Scheduler.pat_*` methods reached by `collective_rpc`.
+
+The driver first aborts every unfinished request through SGLang's own API and keeps the tokens and log-probs
+the aborts return. SGLang checkpoints a finished (here: aborted) request's KV into its radix tree, so each
+rank's tree still holds the KV of the requests its replica ran. `pat_switch` then, on every rank at once:
+
+1. export: for each request chosen for migration, the longest prefix of its tokens cached in the old replica's
+   trees (the same on every rank of the replica; the minimum is taken to be safe);
+2. KV hand-off: pat_rollout's `plan_kv` + `gather_kv` over the WORLD's device group: each new rank receives the
+   KV heads it needs (`kv_heads_for_rank`) for the tokens its new replica will continue;
+3. flush SGLang's radix tree and KV pool (the exported pieces are copies by now);
+4. reshard the live parameters with `plan_weights` + `reshard_local` (grow: in place, zero bytes moved; shrink:
+   receives over the same group) and rebuild the module tree for the new layout around them;
+5. reshape the KV pool for the new head count and insert every received prefix into the radix tree.
+
+The driver then resubmits every request (prompt + generated tokens, remaining budget) to its new replica: SGLang's
+own prefix matching finds the migrated KV, so only the tokens after the cached prefix are prefilled; requests
+chosen for recomputation are prefilled in full. Results come back as JSON files (`collective_rpc` returns none).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from array import array
+from typing import Any
+
+import torch
+
+from pat_rollout.kv.apply import gather_kv
+from pat_rollout.kv.plan import plan_kv
+from pat_rollout.layout.layout import Layout
+from pat_rollout.layout.shard import kv_heads_for_rank
+from pat_rollout.layout.transition import plan_weights
+from pat_rollout.reshard.apply import reshard_local
+from pat_rollout.sglang import pool_hooks
+from pat_rollout.sglang.scheduler_hooks import _hf_config_dict, rebuild_model_for_current_tp, sglang_specs
+
+
+def _world():
+    from sglang.srt.distributed.parallel_state import get_world_group
+
+    return get_world_group()
+
+
+def _transport():
+    from pat_rollout.comm.transport import GlooTransport
+
+    world = _world()
+    return GlooTransport(group=world.device_group, device_to_group_rank={r: r for r in range(world.world_size)})
+
+
+def _maybe_fail(phase: str) -> None:
+    st = pool_hooks.STATE
+    if st.fail_next == phase:
+        st.fail_next = None
+        raise RuntimeError(f"injected failure in SglPool switch phase {phase!r} on rank {st.rank}")
+
+
+def _check_idle(self) -> None:
+    """No unfinished request may be left. Aborted requests whose final output was already sent can still sit
+    in the running batch until the next scheduling step filters them: drop them here (their KV is released)."""
+    reqs = self.running_batch.reqs if self.running_batch is not None else []
+    busy = [r.rid for r in reqs if not r.finished()]
+    if busy or self.waiting_queue or self.chunked_req is not None:
+        raise RuntimeError(f"rank {pool_hooks.STATE.rank}: switch needs an idle scheduler, found running {busy} and "
+                           f"{len(self.waiting_queue)} waiting requests (the driver aborts them first)")
+    if reqs:
+        self.running_batch.filter_batch()
+
+
+def _flush(self) -> None:
+    self.last_batch = None
+    self.cur_batch_for_debug = None
+    self.tree_cache.reset()
+    self.req_to_token_pool.clear()
+    self.token_to_kv_pool_allocator.clear()
+
+
+def _cached_indices(tree, tokens: list[int]) -> torch.Tensor:
+    """KV pool indices of the longest cached prefix of `tokens` in SGLang's radix tree (its public match API)."""
+    from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams
+    from sglang.srt.mem_cache.radix_cache import RadixKey
+
+    match = tree.match_prefix(MatchPrefixParams(key=RadixKey(token_ids=array("q", tokens))))
+    if match.device_prefix_len == 0:
+        return torch.empty(0, dtype=torch.int64)
+    return tree.path_device_indices(match.last_device_node)[: match.device_prefix_len]
+
+
+def _kv_pool(self):
+    pool = self.tp_worker.model_runner.token_to_kv_pool
+    if getattr(pool, "kv_cache_layout", "nhd") != "nhd" or getattr(pool, "use_hnd", False):
+        raise NotImplementedError(f"SglPool moves KV of the NHD pool layout only, got {pool.kv_cache_layout!r}")
+    return pool
+
+
+def _reshape_kv_pool(pool, head_num: int) -> None:
+    """Re-create the pool's K/V buffers for `head_num` local heads (same token capacity) with SGLang's own
+    buffer code. Its content is dropped: the switch flushed the tree first."""
+    if pool.head_num == head_num:
+        return
+    pool.k_buffer = pool.v_buffer = None
+    pool.head_num = head_num
+    pool.row_dim = head_num * pool.head_dim
+    pool.v_row_dim = head_num * pool.v_head_dim
+    pool._create_buffers()
+
+
+def _insert_prefix(self, pool, tokens: list[int], kv: torch.Tensor) -> None:
+    """Put `kv` ([L, 2, T, h, D], this rank's heads) for `tokens[:T]` into fresh slots and the radix tree."""
+    from sglang.srt.mem_cache.base_prefix_cache import InsertParams
+    from sglang.srt.mem_cache.radix_cache import RadixKey
+
+    n = kv.shape[2]
+    slots = self.token_to_kv_pool_allocator.alloc(n)
+    if slots is None:
+        raise RuntimeError(f"KV pool has no room for {n} migrated tokens")
+    for layer in range(kv.shape[0]):
+        pool.k_buffer[layer][slots] = kv[layer, 0].to(pool.k_buffer[layer].dtype)
+        pool.v_buffer[layer][slots] = kv[layer, 1].to(pool.v_buffer[layer].dtype)
+    res = self.tree_cache.insert(InsertParams(key=RadixKey(token_ids=array("q", tokens[:n])), value=slots))
+    if res.prefix_len:  # a shared prefix was already there: its slots stay, ours for that part are spare
+        self.token_to_kv_pool_allocator.free(slots[: res.prefix_len])
+
+
+def _rebuild(self, params: dict[str, torch.Tensor] | None, tp: int) -> None:
+    runner = self.tp_worker.model_runner
+    with pool_hooks.tp_context(tp):
+        runner.model = rebuild_model_for_current_tp(runner.model, params)
+
+
+def _reinit_attention(self) -> None:
+    """Attention backends size their per-head state (e.g. FlashInfer wrappers) from the layout at build time."""
+    with pool_hooks.tp_context():
+        self.tp_worker.init_attention_backends()
+
+
+def pat_switch(self, dst_groups: list[list[int]], moves: list[list[Any]], path: str) -> None:
+    """Switch this rank to layout `dst_groups`. `moves`: [request_id, tokens, src_replica, dst_replica] of every
+    request chosen for KV migration (tokens = prompt + generated so far)."""
+    st = pool_hooks.STATE
+    src, dst = Layout(st.groups), Layout(tuple(tuple(g) for g in dst_groups))
+    rank, runner = st.rank, self.tp_worker.model_runner
+    hf = _hf_config_dict(self)
+    num_kv_heads = int(hf.get("num_key_value_heads") or hf["num_attention_heads"])
+    pool = _kv_pool(self)
+    phase: dict[str, float] = {}
+    t = time.perf_counter()
+    _check_idle(self)
+    _maybe_fail("export")
+    # 1. what the old replica holds of each migrated request
+    src_groups = {m[0]: src.groups[m[2]] for m in moves}
+    held = {m[0]: _cached_indices(self.tree_cache, m[1]) for m in moves if rank in src_groups[m[0]]}
+    lens: list[dict[str, int]] = [{}] * st.world
+    torch.distributed.all_gather_object(lens, {rid: len(ix) for rid, ix in held.items()}, group=_world().cpu_group)
+    cached = {m[0]: min(lens[r][m[0]] for r in src_groups[m[0]]) for m in moves}
+    kv_moves = [(m[0], src.groups[m[2]], dst.groups[m[3]], cached[m[0]]) for m in moves if cached[m[0]] > 0]
+    plan = plan_kv(kv_moves, num_kv_heads)
+    old_lo = kv_heads_for_rank(num_kv_heads, src.position(rank)[1], src.tp_size)[0]
+    phase["export"] = time.perf_counter() - t
+
+    # 2. KV hand-off
+    t = time.perf_counter()
+    _maybe_fail("kv")
+
+    def export_fn(rid: str, heads: tuple[int, int]) -> torch.Tensor:
+        ix = held[rid][: cached[rid]]
+        lo, hi = heads[0] - old_lo, heads[1] - old_lo
+        return torch.stack([torch.stack([pool.k_buffer[layer][ix, lo:hi], pool.v_buffer[layer][ix, lo:hi]])
+                            for layer in range(len(pool.k_buffer))])
+
+    incoming = gather_kv(plan, rank, export_fn, _transport(), num_layers=len(pool.k_buffer), head_dim=pool.head_dim,
+                         dtype=pool.k_buffer[0].dtype, device=pool.k_buffer[0].device)
+    phase["kv_handoff"] = time.perf_counter() - t
+
+    # 3-4. flush, reshard in place, rebuild the modules for the new layout
+    t = time.perf_counter()
+    _flush(self)
+    _maybe_fail("reshard")
+    old = runner.model
+    specs = sglang_specs(hf, int(old.model.embed_tokens.num_embeddings_padded))
+    named = dict(old.named_parameters())
+    specs = {n: s for n, s in specs.items() if n in named}
+    wplan = plan_weights(src, dst, specs)
+    sharded = {n: named[n] for n in specs if specs[n].dim is not None}
+    with torch.no_grad():
+        new_params = reshard_local(sharded, wplan, rank, _transport())
+    in_place = sum(1 for n in sharded if new_params[n] is named[n])
+    phase["reshard"] = time.perf_counter() - t
+
+    t = time.perf_counter()
+    _maybe_fail("switch")
+    st.groups = dst.groups
+    _rebuild(self, new_params, dst.tp_size)
+    lo, hi = kv_heads_for_rank(num_kv_heads, dst.position(rank)[1], dst.tp_size)
+    _reshape_kv_pool(pool, hi - lo)
+    tokens = {m[0]: m[1] for m in moves}
+    _reinit_attention(self)
+    for rid, kv in incoming.items():
+        _insert_prefix(self, pool, tokens[rid], kv)
+    phase["switch"] = time.perf_counter() - t
+    _write(path, rank, dict(phase_s=phase, cached_tokens=cached, params_in_place=in_place, params_total=len(sharded),
+                            bytes_moved=sum(t.num_heads * t.num_tokens for t in plan.transfers if not t.is_local
+                                            and t.dst_device == rank) * len(pool.k_buffer) * 2 * pool.head_dim
+                            * pool.k_buffer[0].element_size(),
+                            layout=[list(g) for g in st.groups], kv_heads=int(pool.head_num)))
+
+
+def pat_restore_base(self, path: str) -> None:
+    """Rollback after a failed switch: base-layout weights from the host backup, base KV pool, empty cache."""
+    st = pool_hooks.STATE
+    runner = self.tp_worker.model_runner
+    _flush(self)
+    base = Layout(st.base)
+    params = {n: t.to(next(runner.model.parameters()).device, copy=True) for n, t in st.backup.items()}
+    st.groups = base.groups
+    _rebuild(self, params, base.tp_size)
+    hf = _hf_config_dict(self)
+    num_kv_heads = int(hf.get("num_key_value_heads") or hf["num_attention_heads"])
+    lo, hi = kv_heads_for_rank(num_kv_heads, base.position(st.rank)[1], base.tp_size)
+    _reshape_kv_pool(_kv_pool(self), hi - lo)
+    _reinit_attention(self)
+    _write(path, st.rank, dict(layout=[list(g) for g in st.groups]))
+
+
+def pat_backup_base(self) -> None:
+    """Host copy of this rank's base-layout parameters (after start-up and after each weight update)."""
+    st = pool_hooks.STATE
+    if Layout(st.groups) != Layout(st.base):
+        raise RuntimeError(f"rank {st.rank}: backup outside the base layout ({st.groups} != {st.base})")
+    st.backup = {n: p.detach().to("cpu", copy=True) for n, p in self.tp_worker.model_runner.model.named_parameters()}
+
+
+def pat_fail_next(self, phase: str | None) -> None:
+    pool_hooks.STATE.fail_next = phase
+
+
+def pat_pool_info(self, path: str) -> None:
+    import os
+
+    st = pool_hooks.STATE
+    pool = self.tp_worker.model_runner.token_to_kv_pool
+    _write(path, st.rank, dict(rank=st.rank, pid=os.getpid(), layout=[list(g) for g in st.groups],
+                               replica=st.replica, leader=st.is_leader, kv_heads=int(pool.head_num),
+                               group_ids={str(tp): id(c) for tp, c in st.coordinators.items()},
+                               params={n: list(p.shape) for n, p in self.tp_worker.model_runner.model.named_parameters()},
+                               num_running=len(self.running_batch.reqs) if self.running_batch is not None else 0))
+
+
+def _write(path: str, rank: int, obj: dict) -> None:
+    with open(f"{path}.rank{rank}.json", "w") as f:
+        json.dump(obj, f)
+
+
+RPC_METHODS = {f.__name__: f for f in (pat_switch, pat_restore_base, pat_backup_base, pat_fail_next, pat_pool_info)}

@@ -1,0 +1,119 @@
+"""What the driver schedules onto: the devices of one backend grouped into the current layout.
+
+The driver (dispatch, polling, planner, stage metrics) is backend-neutral; a `Pool` hides whether a
+replica is a set of Ray shard actors running the reference engine (`RefPool`, here) or ranks of SGLang
+scheduler processes (`pat_rollout.sglang.pool.SglPool`). Both reuse layout/, reshard/, kv/ and comm/.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from pat_rollout.engine.base import EngineSnapshot, StepResult
+from pat_rollout.layout import Layout
+from pat_rollout.types import Request, RequestOutput
+from pat_rollout.workers.reconfigure import ReconfigResult
+
+
+class WorkerError(RuntimeError):
+    """A call to a device failed; `devices` names the devices involved."""
+
+    def __init__(self, message: str, devices: Sequence[int]) -> None:
+        super().__init__(message)
+        self.devices = tuple(devices)
+
+
+class Pool(ABC):
+    """`num_devices` devices in `layout`; replica r is `layout.groups[r]`. Called from one thread."""
+
+    num_devices: int
+    layout: Layout
+    base: Layout
+
+    @abstractmethod
+    def add_requests(self, per_replica: dict[int, list[Request]]) -> None:
+        """Start requests on their replicas."""
+
+    @abstractmethod
+    def step(self, replicas: Iterable[int], num_steps: int) -> dict[int, tuple[StepResult, EngineSnapshot]]:
+        """Advance the busy replicas by `num_steps` decode steps; per replica its result and a snapshot."""
+
+    @abstractmethod
+    def reconfigure(self, dst_tp: int, assignment: dict[str, int]) -> ReconfigResult:
+        """Move to TP `dst_tp`, keeping every unfinished request (`assignment`: request id -> replica).
+        On failure roll back to `base`, re-admit every request and raise ReconfigurationError whose
+        `assignment` says where each request now runs."""
+
+    @abstractmethod
+    def abort_all(self) -> list[RequestOutput]:
+        """Abort every request; one output per request (partial tokens, finish_reason 'abort')."""
+
+    @abstractmethod
+    def update_weights(self, named_tensors: list[tuple[str, Any]]) -> None:
+        """Full HF-named tensors; the pool is in its base layout (the driver returns there first)."""
+
+    @abstractmethod
+    def release(self, tags: list[str]) -> None: ...
+
+    @abstractmethod
+    def resume(self, tags: list[str]) -> None: ...
+
+    @abstractmethod
+    def info(self) -> list[dict[str, Any]]:
+        """One dict per device (pid, layout, groups)."""
+
+    @abstractmethod
+    def shutdown(self) -> None: ...
+
+
+class RefPool(Pool):
+    """The reference engine: one Ray `ShardWorker` actor per device, reconfigured by the `Reconfigurer`."""
+
+    def __init__(self, group: Any, reconfigurer: Any, base: Layout) -> None:
+        self.group = group  # workers.group.WorkerGroup
+        self.reconfigurer = reconfigurer
+        self.num_devices = group.num_devices
+        self.base = self.layout = base
+
+    def add_requests(self, per_replica: dict[int, list[Request]]) -> None:
+        calls = {d: ("add_requests", (reqs,)) for r, reqs in per_replica.items() for d in self.layout.groups[r]}
+        self.group.call_each(calls, what="add_requests")
+
+    def step(self, replicas: Iterable[int], num_steps: int) -> dict[int, tuple[StepResult, EngineSnapshot]]:
+        replicas = list(replicas)
+        devices = [d for r in replicas for d in self.layout.groups[r]]
+        results = dict(zip(devices, self.group.call(devices, "step", num_steps, what="decode step")))
+        return {r: results[self.layout.groups[r][0]] for r in replicas}  # every TP rank returns the same
+
+    def reconfigure(self, dst_tp: int, assignment: dict[str, int]) -> ReconfigResult:
+        from pat_rollout.workers.reconfigure import ReconfigurationError
+
+        try:
+            result = self.reconfigurer.run(self.layout, dst_tp, assignment)
+        except ReconfigurationError as e:
+            self.layout = self.base
+            e.assignment = dict(self.reconfigurer.last_rollback_assignment)
+            raise
+        self.layout = result.dst
+        return result
+
+    def abort_all(self) -> list[RequestOutput]:
+        per_device = self.group.call(range(self.num_devices), "abort_all", what="abort")
+        return [out for group in self.layout.groups for out in per_device[group[0]]]
+
+    def update_weights(self, named_tensors: list[tuple[str, Any]]) -> None:
+        self.group.call(range(self.num_devices), "update_weights", named_tensors, what="update_weights")
+
+    def release(self, tags: list[str]) -> None:
+        self.group.call(range(self.num_devices), "release", tags, what="release")
+
+    def resume(self, tags: list[str]) -> None:
+        self.group.call(range(self.num_devices), "resume", tags, what="resume")
+
+    def info(self) -> list[dict[str, Any]]:
+        return self.group.call(range(self.num_devices), "info")
+
+    def shutdown(self) -> None:
+        self.group.shutdown()

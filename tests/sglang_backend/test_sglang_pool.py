@@ -1,0 +1,147 @@
+"""The PAT driver on real SGLang engines (backend="sglang", CPU): 2 x TP=1 -> 1 x TP=2 -> 2 x TP=1 mid-decode.
+
+One SGLang engine with 2 scheduler ranks; before the switch each rank is an independent TP=1 replica serving its
+own requests. Greedy outputs with both switches equal HF token for token (so equal an unswitched run), log-probs
+agree closely, with KV migration forced (Llama) and recomputation forced (Qwen3). A switch that fails half-way
+rolls back to the base layout without losing a request.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+pytest.importorskip("sglang.srt")
+
+from pat_rollout.config import PatRolloutConfig  # noqa: E402
+from pat_rollout.types import Request, SamplingParams  # noqa: E402
+
+pytestmark = [pytest.mark.sglang, pytest.mark.slow]
+
+LOGPROB_ATOL = 1e-4
+MAX_NEW = 96
+
+
+def _config(path: str, handoff: str) -> PatRolloutConfig:
+    return PatRolloutConfig(model_path=path, num_devices=2, backend="sglang", initial_tp=1, candidate_tps=(1, 2),
+                            policy="manual", kv_handoff=handoff, dtype="float32", steps_per_poll=2)
+
+
+def _requests(tag: str, n: int = 4) -> list[Request]:
+    sp = SamplingParams(max_new_tokens=MAX_NEW, ignore_eos=True)
+    return [Request(request_id=f"{tag}{i}", prompt_token_ids=tuple(range(3 + 5 * i, 12 + 7 * i)), sampling=sp)
+            for i in range(n)]
+
+
+def _wait_tokens(driver, futures, n: int, timeout: float = 120) -> None:
+    """Until every unfinished request has at least n generated tokens (the driver's last poll)."""
+    t0 = time.time()
+    while time.time() - t0 < timeout:
+        progress = dict(driver._progress)  # request id -> RunningInfo of the last poll
+        if all(f.done() or (rid in progress and progress[rid].num_output_tokens >= n) for rid, f in futures.items()):
+            return
+        time.sleep(0.01)
+    raise TimeoutError(f"requests did not reach {n} tokens in {timeout} s")
+
+
+def _check_equal_hf(outs, reqs, model_path, hf_reference) -> None:
+    for r in reqs:
+        ref_ids, ref_lps = hf_reference(model_path, list(r.prompt_token_ids), MAX_NEW)
+        out = outs[r.request_id]
+        assert out.finish_reason == "length", r.request_id
+        assert list(out.token_ids) == ref_ids, r.request_id
+        assert list(out.log_probs) == pytest.approx(ref_lps, abs=LOGPROB_ATOL), r.request_id
+
+
+def _run_with_switches(driver, reqs, at=(8, 40)):
+    futures = {r.request_id: driver.submit(r) for r in reqs}
+    results = []
+    for tp, n in zip((2, 1), at):
+        _wait_tokens(driver, futures, n)
+        assert not all(f.done() for f in futures.values()), "the batch finished before the switch"
+        driver.reconfigure(tp)
+        results.append(driver.last_reconfig)
+    outs = {rid: f.result(timeout=300) for rid, f in futures.items()}
+    return outs, results
+
+
+@pytest.mark.parametrize("arch,handoff", [("llama", "migrate"), ("qwen3", "recompute")])
+def test_switch_mid_decode_equals_hf(tiny_models, hf_reference, arch, handoff):
+    from pat_rollout.workers.driver import RolloutDriver
+
+    path = tiny_models[arch]
+    driver = RolloutDriver(_config(path, handoff))
+    try:
+        info = driver.worker_info()
+        assert [i["layout"] for i in info] == [[[0], [1]]] * 2 and [i["kv_heads"] for i in info] == [2, 2]
+        reqs = _requests("a")
+        outs, (grow, shrink) = _run_with_switches(driver, reqs)
+        assert str(grow.dst).startswith("1xTP2") and str(shrink.dst).startswith("2xTP1")
+        unfinished = set(grow.migrated) | set(grow.recomputed)
+        assert unfinished == {r.request_id for r in reqs}
+        if handoff == "migrate":
+            assert set(grow.migrated) == unfinished and not grow.recomputed
+            assert set(shrink.migrated) == unfinished
+        else:
+            assert not grow.migrated and set(grow.recomputed) == unfinished
+        per_rank = driver.pool.last_switch  # the shrink
+        # rank r of the TP=2 replica had KV head r; back at TP=1 each rank holds both heads again
+        assert [r["kv_heads"] for r in per_rank] == [2, 2]
+        hits = {r.request_id: driver.pool.client.cached_tokens[r.request_id] for r in reqs}  # one per submission
+        if handoff == "migrate":
+            assert all(v > 0 for v in per_rank[0]["cached_tokens"].values())
+            assert sum(r["bytes_moved"] for r in per_rank) > 0  # each rank received the other head
+            # after each switch SGLang's prefix match found the migrated KV: only the tail was prefilled
+            assert all(len(h) == 3 and h[1] > 0 and h[2] == per_rank[0]["cached_tokens"][rid]
+                       for rid, h in hits.items()), hits
+        else:
+            assert all(h[1:] == [0, 0] for h in hits.values()), hits  # recomputed: full re-prefill
+        _check_equal_hf(outs, reqs, path, hf_reference)
+        metrics = driver.stage_metrics()
+        assert metrics["pat/num_reconfigs"] == 2
+    finally:
+        driver.shutdown()
+
+
+def test_exact_shards_in_place_and_failed_switch_rolls_back(tiny_models, hf_reference, tmp_path):
+    import torch
+
+    from pat_rollout.reshard.apply import shard
+    from pat_rollout.sglang.scheduler_hooks import sglang_specs
+    from pat_rollout.workers.driver import RolloutDriver
+    from pat_rollout.workers.reconfigure import ReconfigurationError
+
+    path = tiny_models["qwen3"]
+    driver = RolloutDriver(_config(path, "migrate"))
+    try:
+        base = driver.pool.save_params(str(tmp_path / "base"))  # TP=1 replicas: full weights on both ranks
+        driver.reconfigure(2)  # idle pool: weights only
+        grow = driver.pool.last_switch
+        assert all(r["params_in_place"] == r["params_total"] for r in grow)  # every new shard is a slice
+        assert [r["kv_heads"] for r in grow] == [1, 1]
+        tp2 = driver.pool.save_params(str(tmp_path / "tp2"))
+        info = base[0]["info"]
+        specs = sglang_specs(info["hf_config"], info["padded_vocab"])
+        sharded = [n for n in base[0]["params"] if n in specs and specs[n].dim is not None]
+        assert "model.layers.0.self_attn.qkv_proj.weight" in sharded and "model.embed_tokens.weight" in sharded
+        for r in range(2):
+            for n in sharded:  # SGLang's own TP=2 layout: fused q|k|v, gate|up, padded vocab, row-parallel o/down
+                assert torch.equal(tp2[r]["params"][n], shard(base[r]["params"][n], specs[n], r, 2)), (r, n)
+        driver.reconfigure(1)  # shrink: each rank receives the other half back
+        back = driver.pool.save_params(str(tmp_path / "back"))
+        for r in range(2):
+            assert all(torch.equal(back[r]["params"][n], base[r]["params"][n]) for n in base[r]["params"])
+
+        reqs = _requests("b")
+        futures = {r.request_id: driver.submit(r) for r in reqs}
+        _wait_tokens(driver, futures, 8)
+        driver.pool.fail_next("reshard")
+        with pytest.raises(ReconfigurationError, match="rolled back to base layout"):
+            driver.reconfigure(2)
+        assert str(driver.layout).startswith("2xTP1")
+        outs = {rid: f.result(timeout=300) for rid, f in futures.items()}
+        _check_equal_hf(outs, reqs, path, hf_reference)
+        assert [i["kv_heads"] for i in driver.worker_info()] == [2, 2]
+    finally:
+        driver.shutdown()
