@@ -17,7 +17,8 @@ $(STAMP): setup.py
 	$(PIP) install -q -e ".[test,verl]"
 	touch $(STAMP)
 
-# SGLang backend tests: a separate venv (sglang pins torch 2.14.1; ~6 min, 11 GB). See pat_rollout/sglang/INSTALL.md.
+# SGLang backend tests (also run by .ci/run): a separate venv (sglang pins torch 2.14.1; ~6 min, 11 GB).
+# See pat_rollout/sglang/INSTALL.md.
 SGL_VENV ?= .venv-sglang
 SGL_STAMP := $(SGL_VENV)/.pat_installed
 

@@ -24,6 +24,8 @@ class PatRolloutConfig:
     - kv_handoff: per-request choice between KV migration and recomputation; "auto" uses the cost model.
     - steps_per_poll: decode steps each actor runs per driver RPC; the planner re-evaluates at every poll.
     - planner: options for pat_rollout.planner's PlannerConfig (validated there).
+    - engine_args: extra SGLang ServerArgs for backend="sglang" (e.g. mem_fraction_static, enable_memory_saver);
+      from verl, gpu_memory_utilization and free_cache_engine fill these.
     """
 
     model_path: str
@@ -41,6 +43,7 @@ class PatRolloutConfig:
     profile_path: str | None = None
     planner: dict[str, Any] = field(default_factory=dict)
     seed: int = 0
+    engine_args: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
@@ -58,6 +61,9 @@ class PatRolloutConfig:
                 raise ValueError(f"TP size {tp} must divide num_devices={self.num_devices}")
         if self.candidate_tps and self.initial_tp not in self.candidate_tps:
             raise ValueError(f"initial_tp={self.initial_tp} must be one of candidate_tps={self.candidate_tps}")
+        if self.engine_args and self.backend != "sglang":
+            raise ValueError(f"engine_args={self.engine_args} apply to backend='sglang' only (SGLang ServerArgs); "
+                             f"backend={self.backend!r} takes its options as fields of this config")
         for name in ("block_size", "num_kv_blocks", "max_num_seqs", "steps_per_poll"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")

@@ -99,8 +99,12 @@ class SglPool(Pool):
         self.base = self.layout = base
         self.layouts = pool_layouts(config)
         self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        args = {**config.engine_args, **server_overrides}
+        if self.device == "cpu" and args.pop("enable_memory_saver", False):
+            logger.info("SglPool on CPU: enable_memory_saver dropped (SGLang's memory saver needs CUDA)")
+        self.memory_saver = bool(args.get("enable_memory_saver"))
         t0 = time.perf_counter()
-        sgl = launch_pool_engine(config, self.layouts, self.device, **server_overrides)
+        sgl = launch_pool_engine(config, self.layouts, self.device, **args)
         self.client = SGLangEngine(config.model_path, tp_size=config.num_devices, sgl=sgl)
         self.startup_s = time.perf_counter() - t0
         self.workdir = tempfile.mkdtemp(prefix="pat-sglpool-")
@@ -244,10 +248,16 @@ class SglPool(Pool):
         self._rpc("pat_backup_base")
 
     def release(self, tags: list[str]) -> None:
+        """Free GPU memory between stages (SGLang's memory saver); without it there is nothing to release."""
+        if not self.memory_saver:
+            logger.debug("SglPool.release(%s): no memory saver (CPU or enable_memory_saver=False), kept", tags)
+            return
         asyncio.set_event_loop(self.client.loop)
         self.client.release(tags)
 
     def resume(self, tags: list[str]) -> None:
+        if not self.memory_saver:
+            return
         asyncio.set_event_loop(self.client.loop)
         self.client.resume(tags)
 

@@ -99,6 +99,12 @@ def from_verl(rollout_cfg: Any, model_path: str | None = None, *, check_model: b
         kwargs["candidate_tps"] = tuple(int(t) for t in tps)
     if "planner" in kwargs:
         kwargs["planner"] = _to_dict(kwargs["planner"], f"{ENGINE_KWARGS_KEY}.planner")
+    if "engine_args" in kwargs:
+        kwargs["engine_args"] = _to_dict(kwargs["engine_args"], f"{ENGINE_KWARGS_KEY}.engine_args")
+    if kwargs.get("backend") == "sglang":  # verl's memory settings, as its own SGLang rollout passes them
+        kwargs["engine_args"] = {"mem_fraction_static": float(_get(rollout_cfg, "gpu_memory_utilization", 0.5)),
+                                 "enable_memory_saver": bool(_get(rollout_cfg, "free_cache_engine", True)),
+                                 **kwargs.get("engine_args", {})}
     try:
         cfg = PatRolloutConfig(**kwargs)
     except (TypeError, ValueError) as e:

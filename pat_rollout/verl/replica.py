@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import numbers
+import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -33,6 +34,12 @@ logger = logging.getLogger(__name__)
 def server_actor_name(replica_rank: int, name_suffix: str = "", role: str = "") -> str:
     """Ray actor name of a replica's PatServer; the ServerAdapter finds its server by this name."""
     return f"pat_server_{role + '_' if role else ''}{replica_rank}{name_suffix}"
+
+
+def union_visible_devices(per_worker: Sequence[str]) -> str:
+    """The GPUs a pool runs on: the union of its trainer ranks' visible-device lists ("0,1", "2", ...), sorted,
+    as verl's own SGLang server computes it."""
+    return ",".join(str(d) for d in sorted({int(x) for devs in per_worker for x in devs.split(",") if x.strip()}))
 
 
 class PatReplica(RolloutReplica):
@@ -61,13 +68,23 @@ class PatReplica(RolloutReplica):
             "max_concurrency": self.max_concurrency,
             "num_cpus": 0,  # a control-plane actor: the driver's device actors do the work
         }
-        if self.workers:  # hybrid/colocated: run next to the trainer ranks whose GPUs the pool uses
-            node_id = await self.workers[0].__ray_call__.remote(lambda _: ray.get_runtime_context().get_node_id())
+        visible = None
+        if self.workers:  # hybrid/colocated: run next to the trainer ranks, on the GPUs they hold
+            from verl.plugin.platform import get_platform
+            from verl.utils.device import get_visible_devices_keyword
+
+            keyword = get_visible_devices_keyword()
+            infos = await asyncio.gather(*[w.__ray_call__.remote(
+                lambda _, k=keyword: (ray.get_runtime_context().get_node_id(), os.environ.get(k, "")))
+                for w in self.workers])
+            visible = union_visible_devices([devs for _, devs in infos]) or None
             options["scheduling_strategy"] = ray.util.scheduling_strategies.NodeAffinitySchedulingStrategy(
-                node_id=node_id, soft=False)
+                node_id=infos[0][0], soft=False)
+            if visible:  # Ray must not reset the visible devices the server (and SGLang's ranks) inherit
+                options["runtime_env"] = {"env_vars": {var: "1" for var in get_platform().ray_noset_envvars()}}
         server = self.server_class.options(**options).remote(
             config=self.config, model_config=self.model_config, rollout_mode=self.rollout_mode,
-            replica_rank=self.replica_rank, driver_factory=type(self).driver_factory,
+            replica_rank=self.replica_rank, driver_factory=type(self).driver_factory, visible_devices=visible,
         )
         await server.launch_server.remote()
         address, port = await server.get_server_address.remote()

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
+import os
 import time
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
@@ -53,8 +54,15 @@ class PatServer:
     """Ray actor (wrapped with `ray.remote` by PatReplica). Methods mirror verl's SGLangHttpServer."""
 
     def __init__(self, config: Any, model_config: Any, rollout_mode: Any, replica_rank: int,
-                 driver_factory: Callable[[PatRolloutConfig], Any] | None = None) -> None:
+                 driver_factory: Callable[[PatRolloutConfig], Any] | None = None,
+                 visible_devices: str | None = None) -> None:
+        """`visible_devices`: the pool's GPUs (hybrid mode: its trainer ranks' union); SGLang's ranks use them
+        in this order, device d = the d-th visible GPU."""
         from verl.utils.config import omega_conf_to_dataclass
+        from verl.utils.device import get_visible_devices_keyword
+
+        if visible_devices:
+            os.environ[get_visible_devices_keyword()] = visible_devices
 
         self.config = omega_conf_to_dataclass(config)
         self.model_config = model_config

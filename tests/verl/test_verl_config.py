@@ -95,3 +95,45 @@ def test_plugin_yaml_composes(tiny_models):
     assert rc.name == "pat"
     pat = from_verl(rc, tiny_models["llama"], check_model=False)
     assert pat.initial_tp == 2 and pat.num_devices == rc.tensor_model_parallel_size
+
+
+def test_backend_sglang_takes_verl_memory_settings(tiny_models):
+    rc = rollout_config("actor_rollout_ref.rollout.tensor_model_parallel_size=2",
+                        "actor_rollout_ref.rollout.gpu_memory_utilization=0.7",
+                        "+actor_rollout_ref.rollout.engine_kwargs.pat.backend=sglang",
+                        "+actor_rollout_ref.rollout.engine_kwargs.pat.engine_args.chunked_prefill_size=4096")
+    cfg = from_verl(rc, tiny_models["llama"])
+    assert cfg.backend == "sglang"
+    assert cfg.engine_args == {"mem_fraction_static": 0.7, "enable_memory_saver": rc.free_cache_engine,
+                               "chunked_prefill_size": 4096}
+    with pytest.raises(ValueError, match="engine_args=.* apply to backend='sglang' only"):
+        from_verl(rollout_config("+actor_rollout_ref.rollout.engine_kwargs.pat.engine_args.x=1"),
+                  tiny_models["llama"])
+
+
+def test_pool_gpus_are_the_union_of_its_trainer_ranks():
+    from pat_rollout.verl.replica import union_visible_devices
+
+    assert union_visible_devices(["2,3", "0,1", "1", " "]) == "0,1,2,3"
+    assert union_visible_devices(["", ""]) == ""
+
+
+def test_verl_server_with_backend_sglang_starts_the_sglang_pool(tiny_models):
+    """engine_kwargs.pat.backend=sglang reaches the driver's SGLang pool through verl's server; in an
+    environment without SGLang the start-up says how to install it (tests/sglang_backend run it for real)."""
+    import asyncio
+    import importlib.util
+    from types import SimpleNamespace
+
+    if importlib.util.find_spec("sglang") is not None:
+        pytest.skip("SGLang is installed here")
+    from pat_rollout.verl.server import PatServer
+
+    cfg = compose_ppo(["actor_rollout_ref.rollout.name=pat", "actor_rollout_ref.rollout.tensor_model_parallel_size=2",
+                       "+actor_rollout_ref.rollout.engine_kwargs.pat.backend=sglang"])
+    path = tiny_models["llama"]
+    server = PatServer(config=cfg.actor_rollout_ref.rollout, model_config=SimpleNamespace(local_path=path, path=path),
+                       rollout_mode=None, replica_rank=0)
+    assert server.pat_config.backend == "sglang"
+    with pytest.raises(RuntimeError, match="backend='sglang' needs SGLang.*make install-sglang"):
+        asyncio.run(server.launch_server())
