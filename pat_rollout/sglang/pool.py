@@ -25,8 +25,6 @@ from pat_rollout.config import DTYPE_BYTES, PatRolloutConfig
 from pat_rollout.engine.base import EngineSnapshot, StepResult
 from pat_rollout.kv.cost import HandoffCost, choose_handoff
 from pat_rollout.layout import Layout
-from pat_rollout.layout.reachable import reachable_layouts
-from pat_rollout.layout.transition import plan_layout
 from pat_rollout.types import ModelSpec, Request, RequestOutput, RequestState
 from pat_rollout.workers.pool import Pool
 from pat_rollout.workers.reconfigure import ReconfigResult, ReconfigurationError, balance
@@ -37,8 +35,7 @@ INSTALL_HINT = "install it with `make install-sglang` (see pat_rollout/sglang/IN
 
 
 def check_model(config: PatRolloutConfig) -> ModelSpec:
-    """Fail before any process starts: SGLang importable, a HF config, TP sizes that divide the heads, and
-    layouts SGLang's groups can express (every group in ascending rank order)."""
+    """Fail before any process starts: SGLang importable, a HF config, TP sizes that divide the heads."""
     import importlib.util
 
     if importlib.util.find_spec("sglang") is None:
@@ -49,22 +46,16 @@ def check_model(config: PatRolloutConfig) -> ModelSpec:
     spec = ModelSpec.from_hf_config(json.loads(cfg_path.read_text()))
     for tp in config.tp_sizes:
         spec.check_tp(tp)
-    pool_layouts(config)
     return spec
 
 
 def pool_layouts(config: PatRolloutConfig) -> dict[int, Layout]:
-    """Every layout the pool can be in, by TP size. SGLang builds a group from a sorted rank list and gathers
-    in that order, so a layout whose in-place rank order is not ascending (e.g. 4 devices TP2 -> TP4 gives
-    (0, 2, 1, 3)) cannot be expressed; such TP sets are refused up front."""
-    base = Layout.uniform(config.num_devices, config.initial_tp)
-    layouts = {lay.tp_size: lay for lay in reachable_layouts(base, config.tp_sizes)}
-    for tp, lay in layouts.items():
-        if any(list(g) != sorted(g) for g in lay.groups):
-            raise ValueError(f"backend='sglang': layout {lay} (TP {tp}) reached from {base} has a group whose "
-                             "in-place rank order is not ascending, which SGLang's groups cannot express; use "
-                             f"fewer TP sizes (e.g. candidate_tps=[{config.initial_tp}, {config.num_devices}])")
-    return layouts
+    """The one layout per TP size an SglPool uses: contiguous groups in ascending rank order
+    (`Layout.uniform`). SGLang builds a group from a rank list whose collectives run in sorted-rank order, so
+    the interleaved in-place order `plan_layout` picks for deeper grows (8 devices TP2 -> TP4 gives
+    `(0, 2, 1, 3)`) cannot be expressed; with contiguous groups a grow from TP1 is still in place (zero bytes)
+    and a grow between larger TPs moves the bytes `plan_weights` computes."""
+    return {tp: Layout.uniform(config.num_devices, tp) for tp in sorted(set(config.tp_sizes) | {config.initial_tp})}
 
 
 def launch_pool_engine(config: PatRolloutConfig, layouts: dict[int, Layout], device: str, **overrides: Any):
@@ -179,9 +170,9 @@ class SglPool(Pool):
         t_start = time.perf_counter()
         src = self.layout
         self.spec.check_tp(dst_tp)
-        dst = plan_layout(src, dst_tp)
-        if dst != self.layouts.get(dst_tp):
-            raise ValueError(f"{src} -> TP{dst_tp} gives {dst}, not one of this pool's layouts {self.layouts}")
+        if dst_tp not in self.layouts:
+            raise ValueError(f"TP{dst_tp} is not one of this pool's TP sizes {sorted(self.layouts)}")
+        dst = self.layouts[dst_tp]
         result = ReconfigResult(src=src, dst=dst)
         t = time.perf_counter()
         states = self.client.export_requests(None)  # abort; tokens + log-probs come back with the aborts

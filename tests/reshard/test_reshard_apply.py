@@ -121,3 +121,29 @@ def test_shape_mismatch_names_device_and_param() -> None:
     shards = local_shards(full, specs, dst, 0)  # wrong (already TP2) shapes
     with pytest.raises(RuntimeError, match="device 0: .* has shape"):
         reshard_local(shards, plan, 0, LoopbackTransport(None, 0))  # type: ignore[arg-type]
+
+
+def test_sglang_pool_layouts_chain_bit_exact() -> None:
+    """The SGLang pool's contiguous layouts (one per TP size, ascending ranks: what SGLang's groups can express)
+    reshard bit-exactly through grow and shrink; growing from TP1 is still in place."""
+    from pat_rollout.config import PatRolloutConfig
+    from pat_rollout.sglang.pool import pool_layouts
+
+    cfg = PatRolloutConfig(model_path="unused", num_devices=8, backend="sglang", candidate_tps=(1, 2, 4, 8))
+    layouts = pool_layouts(cfg)
+    assert all(list(g) == sorted(g) for lay in layouts.values() for g in lay.groups)
+    specs = specs_for(CHAINS[0][0])
+    full = full_weights(specs)
+    layout = layouts[1]
+    shards = {d: local_shards(full, specs, layout, d) for d in layout.devices}
+    for tp in (2, 4, 8, 2, 4, 1):
+        dst = layouts[tp]
+        plan = plan_weights(layout, dst, specs)
+        shards = run_devices(layout.devices, lambda d, tr: reshard_local(shards[d], plan, d, tr))
+        if layout.tp_size == 1:
+            assert bytes_moved(plan, dtype_bytes=4) == 0
+        layout = dst
+        for d in layout.devices:
+            rank = layout.position(d)[1]
+            for p, spec in specs.items():
+                assert torch.equal(shards[d][p], shard(full[p], spec, rank, tp)), (tp, p, d)

@@ -145,3 +145,31 @@ def test_exact_shards_in_place_and_failed_switch_rolls_back(tiny_models, hf_refe
         assert [i["kv_heads"] for i in driver.worker_info()] == [2, 2]
     finally:
         driver.shutdown()
+
+
+def test_planner_switches_sglang_pool_when_batch_drains(tiny_models, hf_reference, tmp_path):
+    """policy="pat" on the SGLang pool: with a profile in which TP2 wins only on a small batch, the planner
+    regroups 2 x TP1 -> 1 x TP2 by itself once the short requests finish; outputs still equal HF."""
+    from profile_helpers import write_profile
+
+    from pat_rollout.workers.driver import RolloutDriver
+
+    path = tiny_models["llama"]
+    cfg = PatRolloutConfig(model_path=path, num_devices=2, backend="sglang", initial_tp=1, candidate_tps=(1, 2),
+                           policy="pat", kv_handoff="auto", dtype="float32", steps_per_poll=2,
+                           profile_path=write_profile(tmp_path / "tp2_wins_small.json"),
+                           planner={"eval_every_steps": 2, "min_steps_between_switches": 2, "min_gain_s": 0.0,
+                                    "min_gain_ratio": 0.0})
+    sp_long, sp_short = (SamplingParams(max_new_tokens=n, ignore_eos=True) for n in (MAX_NEW, 6))
+    reqs = [Request(request_id=f"p{i}", prompt_token_ids=tuple(range(3 + 5 * i, 12 + 7 * i)),
+                    sampling=sp_long if i < 2 else sp_short) for i in range(6)]
+    driver = RolloutDriver(cfg)
+    try:
+        outs = {o.request_id: o for o in driver.generate(reqs, timeout=300)}
+        metrics = driver.stage_metrics()
+    finally:
+        driver.shutdown()
+    assert metrics["pat/num_reconfigs"] >= 1 and "1xTP2" in metrics["pat/layouts"], metrics
+    for r in reqs:
+        ref_ids, _ = hf_reference(path, list(r.prompt_token_ids), r.sampling.max_new_tokens)
+        assert list(outs[r.request_id].token_ids) == ref_ids, r.request_id
