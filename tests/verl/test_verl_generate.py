@@ -2,8 +2,10 @@
 worker group), verl's load balancer + LLMServerClient route requests, verl's AgentLoopWorker (single-turn agent
 loop + _postprocess) turns them into a DataProto; weights are synced through our ServerAdapter.
 
-Parametrised over the driver inside the PatServer: "fake" (tests/verl/fake_driver.py, HF model, always runs)
-and "real" (pat_rollout.workers.driver.RolloutDriver on the reference engine; skipped until it imports).
+Parametrised over the driver inside the PatServer: "fake" (tests/verl/fake_driver.py, HF model, always runs),
+"real" (pat_rollout.workers.driver.RolloutDriver on the reference engine) and "sglang" (the same driver with
+`engine_kwargs.pat.backend=sglang`: an SglPool of real SGLang engines; runs where verl and SGLang are both
+installed, i.e. `make test-verl-sglang`, and skips elsewhere).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ PROMPT_LEN, RESPONSE_LEN = 64, 8
 TP = 2  # each replica is one PAT pool of 2 devices
 # fake: 4 dummy trainer workers -> 2 replicas (load balancing across pools); real: 2 -> 1 replica, so the
 # real driver's 2 shard actors per pool fit the shared 8-CPU test cluster.
-NUM_WORKERS = {"fake": 4, "real": 2}
+NUM_WORKERS = {"fake": 4, "real": 2, "sglang": 2}
 
 
 def _driver_factory(kind: str):
@@ -33,17 +35,21 @@ def _driver_factory(kind: str):
 
         ray.cloudpickle.register_pickle_by_value(fake_driver)
         return fake_driver.FakeRolloutDriver
-    try:
-        from pat_rollout.workers.driver import RolloutDriver
-    except ImportError as e:
-        pytest.skip(f"real RolloutDriver not importable yet: {e}")
+    if kind == "sglang":
+        import importlib.util
+
+        if importlib.util.find_spec("sglang") is None or importlib.util.find_spec("sglang.srt") is None:
+            pytest.skip("SGLang is not installed in this environment (make install-verl-sglang)")
+    from pat_rollout.workers.driver import RolloutDriver
+
     return RolloutDriver
 
 
-@pytest.fixture(scope="module", params=["fake", "real"])
+@pytest.fixture(scope="module", params=["fake", "real", "sglang"])
 def pat_stack(request, ray_cluster, tiny_llama_with_tokenizer):
     factory = _driver_factory(request.param)
-    cfg = compose_ppo([
+    backend = ["+actor_rollout_ref.rollout.engine_kwargs.pat.backend=sglang"] if request.param == "sglang" else []
+    cfg = compose_ppo([*backend,
         "actor_rollout_ref.rollout.name=pat",
         f"actor_rollout_ref.model.path={tiny_llama_with_tokenizer}",
         f"actor_rollout_ref.rollout.tensor_model_parallel_size={TP}",
