@@ -5,7 +5,7 @@ PIP := $(PY) -m pip
 STAMP := $(VENV)/.pat_installed
 PYTEST_ARGS ?=
 
-.PHONY: install install-sglang lint demo test test-fast test-sglang test-gpu bench check-size clean
+.PHONY: install install-sglang install-verl-sglang lint demo test test-fast test-sglang test-verl-sglang test-gpu bench check-size clean
 
 install: $(STAMP)
 
@@ -34,6 +34,28 @@ $(SGL_STAMP): setup.py
 
 test-sglang: $(SGL_STAMP)
 	$(SGL_VENV)/bin/python -m pytest tests/sglang_backend -q -rs -p no:cacheprovider --timeout=900
+
+# verl's own pin: verl 0.9.1 with SGLang 0.5.12 (torch 2.11.0) in one venv, as a verl user installs it
+# (~5 min, 10 GB). Two steps: sglang 0.5.12 with its torch first, then verl-core and the rest pinned to the
+# same torch; kernels < 0.13 for transformers 5.9. See pat_rollout/sglang/INSTALL.md.
+VSGL_VENV ?= .venv-verl-sgl
+VSGL_STAMP := $(VSGL_VENV)/.pat_installed
+VSGL_TORCH := "torch==2.11.0" "torchvision==0.26.0" "torchaudio==2.11.0"
+
+install-verl-sglang: $(VSGL_STAMP)
+
+$(VSGL_STAMP): setup.py
+	test -x $(VSGL_VENV)/bin/python || python3 -m venv $(VSGL_VENV)
+	$(VSGL_VENV)/bin/python -m pip install -q --upgrade pip
+	$(VSGL_VENV)/bin/python -m pip install -q $(VSGL_TORCH) "sglang==0.5.12"
+	$(VSGL_VENV)/bin/python -m pip install -q "verl[verl-core]==0.9.1" "transformers==5.9.0" mbridge sglang-kernel \
+		$(VSGL_TORCH) pytest pytest-timeout
+	$(VSGL_VENV)/bin/python -m pip install -q "kernels>=0.12,<0.13"
+	$(VSGL_VENV)/bin/python -m pip install -q --no-deps -e .
+	touch $(VSGL_STAMP)
+
+test-verl-sglang: $(VSGL_STAMP)
+	$(VSGL_VENV)/bin/python -m pytest tests/sglang_backend tests/verl -q -rs -p no:cacheprovider --timeout=900
 
 demo: $(STAMP)
 	$(PY) -m pat_rollout.demo

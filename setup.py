@@ -22,7 +22,8 @@ setup(
     extras_require={
         "test": ["pytest>=8", "pytest-timeout", "ruff"],
         "verl": ["verl==0.9.1", "fastapi", "uvicorn", "cachetools", "msgspec", "pyzmq"],
-        "sglang": ["sglang>=0.5.12"],
+        # No "sglang" extra: sglang and verl 0.9.1 pin disjoint transformers versions, so pip cannot resolve both;
+        # see recipes/deepscaler/README.md (GPU) and the Makefile's install-sglang / install-verl-sglang (CPU tests).
     },
     entry_points={
         # verl imports every `verl.plugins` entry point on `import verl`: this registers rollout.name=pat.

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from pat_rollout.engine.base import Engine, EngineSnapshot, RunningInfo, StepResult
+from pat_rollout.sglang import compat
 from pat_rollout.sglang.launch import launch_engine
 from pat_rollout.sglang.pool_hooks import make_rid
 from pat_rollout.types import Request, RequestOutput, RequestState, SamplingParams
@@ -232,11 +233,8 @@ class SGLangEngine(Engine):
     # ---- weights and memory ------------------------------------------------------------------------
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Full HF-named tensors; every rank's `weight_loader` keeps its shard (SGLang load_format=None)."""
-        self.sgl.begin_weight_update()
-        try:
+        with compat.weight_update_context(self.sgl):
             ok, msg = self.sgl.update_weights_from_tensor(list(named_tensors))
-        finally:
-            self.sgl.end_weight_update()
         if not ok:
             raise RuntimeError(f"SGLang update_weights_from_tensor failed on {self.model_path} tp={self.tp_size}: "
                                f"{msg}")

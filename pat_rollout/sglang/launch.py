@@ -66,9 +66,8 @@ def launch_engine(model_path: str, *, tp_size: int = 1, device: str = "cpu", **o
     in scripts: SGLang spawns, so the main module is re-imported by its children."""
     env = engine_env(tp_size, device)
     with patched_environ(env, unset=("SGLANG_CPU_OMP_THREADS_BIND",)):
-        from sglang.srt.entrypoints.engine import Engine as SglEngine
-
-        return SglEngine(**server_kwargs(model_path, tp_size=tp_size, device=device, **overrides))
+        # pat_rollout's scheduler entry point: its RPC methods, and the CPU workarounds SGLang 0.5.12 needs
+        return pat_engine_class()(**server_kwargs(model_path, tp_size=tp_size, device=device, **overrides))
 
 
 _ENGINE_CLS: type | None = None

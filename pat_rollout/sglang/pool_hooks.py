@@ -21,13 +21,14 @@ rank 0's request broadcast over the WORLD CPU group. Only stdlib/torch/pat_rollo
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import json
 import os
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+
+from pat_rollout.sglang import compat
 
 POOL_ENV = "PAT_SGLANG_POOL"
 RID_PREFIX = "pat-r"
@@ -81,11 +82,9 @@ STATE: PoolState | None = None
 
 def tp_context(tp: int | None = None):
     """Run under the layout of TP `tp` (current by default): SGLang's `patch_tensor_parallel_group` with the
-    cached group, or nothing for the WORLD-sized layout."""
-    from sglang.srt.distributed.parallel_state import patch_tensor_parallel_group
-
+    cached group (TP and attention TP), or nothing for the WORLD-sized layout."""
     coord = STATE.coordinator(tp)
-    return contextlib.nullcontext() if coord is None else patch_tensor_parallel_group(coord, owns_attention=True)
+    return contextlib.nullcontext() if coord is None else compat.tp_group_patch(coord)
 
 
 def _build_groups(state: PoolState) -> None:
@@ -111,17 +110,15 @@ class _LeaderSender:
         self.socket = socket
 
     def send_output(self, output, recv_obj=None) -> None:
-        from sglang.srt.managers.scheduler_components.output_sender import SenderWrapper
-
         if STATE is not None and STATE.is_leader and self.socket is not None:
-            SenderWrapper(self.socket).send_output(output, recv_obj)
+            compat.sender_wrapper_cls()(self.socket).send_output(output, recv_obj)
 
 
 def _install_output_path() -> None:
     from sglang.srt.managers.scheduler import Scheduler
     from sglang.srt.utils.network import get_zmq_socket
 
-    orig_init, orig_abort = Scheduler.init_ipc_channels, Scheduler.send_abort_output
+    orig_init = Scheduler.init_ipc_channels
 
     def init_ipc_channels(self, port_args) -> None:
         orig_init(self, port_args)
@@ -133,16 +130,10 @@ def _install_output_path() -> None:
 
         sock = get_zmq_socket(zmq.Context(1), zmq.PUSH, port_args.tokenizer_ipc_name, False)
         self._pat_sender = _LeaderSender(sock)
-        self.ipc_channels = dataclasses.replace(self.ipc_channels, send_to_detokenizer=self._pat_sender)
-
-    def send_abort_output(self, abort_req, req) -> None:  # a queued request aborted on a rank other than 0
-        sender = getattr(self, "_pat_sender", None)
-        if sender is None:
-            return orig_abort(self, abort_req, req)
-        sender.send_output(abort_req, req)
+        compat.install_output_sockets(self, self._pat_sender)
 
     Scheduler.init_ipc_channels = init_ipc_channels
-    Scheduler.send_abort_output = send_abort_output
+    compat.route_abort_outputs(Scheduler)  # aborts of queued requests, too, leave through the rank's sender
 
 
 def _install_routing() -> None:
@@ -161,9 +152,7 @@ def _install_routing() -> None:
 
 
 def _install_build_and_forward() -> None:
-    from sglang.srt.managers.scheduler import Scheduler
     from sglang.srt.managers.tp_worker import TpModelWorker
-    from sglang.srt.model_executor.model_runner_components.weight_updater import WeightUpdater
 
     def under_base(orig):
         def run(self, *a, **kw):
@@ -174,10 +163,11 @@ def _install_build_and_forward() -> None:
 
     # Model, KV pools and attention backends are built for the base layout; the scheduler's own groups
     # (request broadcast, barriers) stay SGLang's WORLD-sized TP group.
-    for name in ("init_tp_model_worker", "init_memory_pools", "init_all_attention_backends"):
-        setattr(Scheduler, name, under_base(getattr(Scheduler, name)))
+    for cls, name in compat.build_methods():
+        setattr(cls, name, under_base(getattr(cls, name)))
     orig_fwd = TpModelWorker.forward_batch_generation
-    orig_update = WeightUpdater.update_weights_from_tensor
+    update_cls, update_name = compat.weight_update_method()
+    orig_update = getattr(update_cls, update_name)
 
     def forward_batch_generation(self, *a, **kw):
         with tp_context():
@@ -188,7 +178,7 @@ def _install_build_and_forward() -> None:
             return orig_update(self, *a, **kw)
 
     TpModelWorker.forward_batch_generation = forward_batch_generation
-    WeightUpdater.update_weights_from_tensor = update_weights_from_tensor
+    setattr(update_cls, update_name, update_weights_from_tensor)
 
 
 def install() -> bool:

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import json
 import time
-from array import array
 from typing import Any
 
 import torch
@@ -33,7 +32,7 @@ from pat_rollout.layout.layout import Layout
 from pat_rollout.layout.shard import kv_heads_for_rank
 from pat_rollout.layout.transition import plan_weights
 from pat_rollout.reshard.apply import reshard_local
-from pat_rollout.sglang import pool_hooks
+from pat_rollout.sglang import compat, pool_hooks
 from pat_rollout.sglang.scheduler_hooks import _hf_config_dict, rebuild_model_for_current_tp, sglang_specs
 
 
@@ -77,17 +76,6 @@ def _flush(self) -> None:
     self.token_to_kv_pool_allocator.clear()
 
 
-def _cached_indices(tree, tokens: list[int]) -> torch.Tensor:
-    """KV pool indices of the longest cached prefix of `tokens` in SGLang's radix tree (its public match API)."""
-    from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams
-    from sglang.srt.mem_cache.radix_cache import RadixKey
-
-    match = tree.match_prefix(MatchPrefixParams(key=RadixKey(token_ids=array("q", tokens))))
-    if match.device_prefix_len == 0:
-        return torch.empty(0, dtype=torch.int64)
-    return tree.path_device_indices(match.last_device_node)[: match.device_prefix_len]
-
-
 def _kv_pool(self):
     pool = self.tp_worker.model_runner.token_to_kv_pool
     if getattr(pool, "kv_cache_layout", "nhd") != "nhd" or getattr(pool, "use_hnd", False):
@@ -98,20 +86,12 @@ def _kv_pool(self):
 def _reshape_kv_pool(pool, head_num: int) -> None:
     """Re-create the pool's K/V buffers for `head_num` local heads (same token capacity) with SGLang's own
     buffer code. Its content is dropped: the switch flushed the tree first."""
-    if pool.head_num == head_num:
-        return
-    pool.k_buffer = pool.v_buffer = None
-    pool.head_num = head_num
-    pool.row_dim = head_num * pool.head_dim
-    pool.v_row_dim = head_num * pool.v_head_dim
-    pool._create_buffers()
+    if pool.head_num != head_num:
+        compat.resize_kv_heads(pool, head_num)
 
 
 def _insert_prefix(self, pool, tokens: list[int], kv: torch.Tensor) -> None:
     """Put `kv` ([L, 2, T, h, D], this rank's heads) for `tokens[:T]` into fresh slots and the radix tree."""
-    from sglang.srt.mem_cache.base_prefix_cache import InsertParams
-    from sglang.srt.mem_cache.radix_cache import RadixKey
-
     n = kv.shape[2]
     slots = self.token_to_kv_pool_allocator.alloc(n)
     if slots is None:
@@ -119,9 +99,9 @@ def _insert_prefix(self, pool, tokens: list[int], kv: torch.Tensor) -> None:
     for layer in range(kv.shape[0]):
         pool.k_buffer[layer][slots] = kv[layer, 0].to(pool.k_buffer[layer].dtype)
         pool.v_buffer[layer][slots] = kv[layer, 1].to(pool.v_buffer[layer].dtype)
-    res = self.tree_cache.insert(InsertParams(key=RadixKey(token_ids=array("q", tokens[:n])), value=slots))
-    if res.prefix_len:  # a shared prefix was already there: its slots stay, ours for that part are spare
-        self.token_to_kv_pool_allocator.free(slots[: res.prefix_len])
+    prefix_len = compat.insert_prefix(self.tree_cache, tokens[:n], slots)
+    if prefix_len:  # a shared prefix was already there: its slots stay, ours for that part are spare
+        self.token_to_kv_pool_allocator.free(slots[:prefix_len])
 
 
 def _rebuild(self, params: dict[str, torch.Tensor] | None, tp: int) -> None:
@@ -133,7 +113,7 @@ def _rebuild(self, params: dict[str, torch.Tensor] | None, tp: int) -> None:
 def _reinit_attention(self) -> None:
     """Attention backends size their per-head state (e.g. FlashInfer wrappers) from the layout at build time."""
     with pool_hooks.tp_context():
-        self.tp_worker.init_attention_backends()
+        compat.reinit_attention(self.tp_worker)
 
 
 def pat_switch(self, dst_groups: list[list[int]], moves: list[list[Any]], path: str) -> None:
@@ -151,7 +131,7 @@ def pat_switch(self, dst_groups: list[list[int]], moves: list[list[Any]], path: 
     _maybe_fail("export")
     # 1. what the old replica holds of each migrated request
     src_groups = {m[0]: src.groups[m[2]] for m in moves}
-    held = {m[0]: _cached_indices(self.tree_cache, m[1]) for m in moves if rank in src_groups[m[0]]}
+    held = {m[0]: compat.prefix_indices(self.tree_cache, m[1]) for m in moves if rank in src_groups[m[0]]}
     lens: list[dict[str, int]] = [{}] * st.world
     torch.distributed.all_gather_object(lens, {rid: len(ix) for rid, ix in held.items()}, group=_world().cpu_group)
     cached = {m[0]: min(lens[r][m[0]] for r in src_groups[m[0]]) for m in moves}

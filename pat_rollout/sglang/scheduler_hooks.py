@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from pat_rollout.layout.shard import Partition, ShardSpec, model_shard_specs
+from pat_rollout.sglang import compat
 from pat_rollout.types import ModelSpec
 
 VOCAB_PARAMS = ("model.embed_tokens.weight", "lm_head.weight")
@@ -44,13 +45,6 @@ def _hf_config_dict(self) -> dict[str, Any]:
     return self.tp_worker.model_runner.model_config.hf_config.to_dict()
 
 
-def _tp(self) -> tuple[int, int]:
-    from sglang.srt.runtime_context import get_parallel
-
-    ctx = get_parallel()
-    return int(ctx.tp_rank), int(ctx.tp_size)
-
-
 def _padded_vocab(self) -> int:
     emb = _model(self).model.embed_tokens
     return int(emb.num_embeddings_padded)
@@ -60,7 +54,7 @@ def pat_save_params(self, path: str) -> None:
     """Write this rank's named parameters (SGLang names, local shards) and layout facts to `path.rank{r}.pt`."""
     model = _model(self)
     params = {n: p.detach().clone() for n, p in model.named_parameters()}
-    tp_rank, tp_size = _tp(self)
+    tp_rank, tp_size = compat.tp_rank_size()
     info = dict(tp_rank=tp_rank, tp_size=tp_size, padded_vocab=_padded_vocab(self), hf_config=_hf_config_dict(self))
     torch.save(dict(params=params, info=info), f"{path}.rank{tp_rank}.pt")
 
@@ -112,6 +106,7 @@ def install() -> None:
 
     from pat_rollout.sglang import pool_hooks, pool_switch
 
+    compat.apply_cpu_workarounds()
     for name, fn in {**RPC_METHODS, **pool_switch.RPC_METHODS}.items():
         setattr(Scheduler, name, fn)
     pool_hooks.install()

@@ -57,3 +57,12 @@ def test_speculative_kernels_fail_loudly():
     sk = _stub()
     with pytest.raises(NotImplementedError, match="speculative"):
         sk.verify_tree_greedy_cpu()
+
+
+def test_host_cache_transfers_fail_loudly():
+    """SGLang 0.5.12 imports `sgl_kernel.kvcacheio` at module level; the CPU tests never move KV to a host pool."""
+    _stub()
+    from sgl_kernel import kvcacheio
+
+    with pytest.raises(NotImplementedError, match="host KV cache"):
+        kvcacheio.transfer_kv_per_layer()

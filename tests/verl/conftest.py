@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import sgl_stub  # noqa: F401  (where SGLang is installed: its sgl_kernel CPU stand-in, for backend=sglang tests)
 
 
 @pytest.fixture(scope="session")

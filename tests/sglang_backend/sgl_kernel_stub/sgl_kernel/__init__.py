@@ -9,6 +9,9 @@ engine enabled SGLang imports two CPU kernels at module level:
 * `copy_all_layer_kv_cache_cpu` (sglang/kernels/ops/kvcache/cache_move.py): copies KV slot rows inside
   each layer buffer (used when KV slots are moved, e.g. speculative decoding / hisparse).
 
+SGLang 0.5.12 also imports `sgl_kernel.kvcacheio` (host KV cache transfers) at module level: the submodule
+`kvcacheio.py` here makes each of its functions raise (nothing on the CPU tests' path calls them).
+
 Everything else (RMSNorm, fused add+RMSNorm, SiLU-and-mul, rotary embedding) goes through SGLang's own
 `forward_native` on such a CPU, because the fused `torch.ops.sgl_kernel.*_cpu` ops are used only when
 `cpu_has_amx_support()` is true, which needs AMX tiles and a registered `torch.ops.sgl_kernel`

@@ -1,0 +1,225 @@
+"""Every SGLang version difference the backend touches, in one place: 0.5.23 (CI) and 0.5.12 (verl 0.9.1's pin).
+
+Detected by feature (attribute present, import succeeds), not by version string. Each function names what it
+papers over; the callers (pool_hooks, pool_switch, scheduler_hooks, engine) stay version-free. sglang is
+imported inside the functions (scheduler processes import this module before SGLang's heavy imports).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import inspect
+import types
+from array import array
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+
+# ---- parallel state ------------------------------------------------------------------------------------------
+@contextlib.contextmanager
+def tp_group_patch(group) -> Iterator[None]:
+    """Run under `group` as the TP group and the attention TP group. 0.5.23's `patch_tensor_parallel_group`
+    swaps both (`owns_attention=True`); 0.5.12's swaps only `_TP`, while attention layers, the KV pool and
+    the logits processor read `parallel_state._ATTN_TP` (dp_attention caches no attention-TP rank/size)."""
+    from sglang.srt.distributed import parallel_state as ps
+
+    if "owns_attention" in inspect.signature(ps.patch_tensor_parallel_group).parameters:
+        with ps.patch_tensor_parallel_group(group, owns_attention=True):
+            yield
+        return
+    saved = ps._ATTN_TP
+    with ps.patch_tensor_parallel_group(group):
+        ps._ATTN_TP = group
+        try:
+            yield
+        finally:
+            ps._ATTN_TP = saved
+
+
+def tp_rank_size() -> tuple[int, int]:
+    """(rank, size) of the TP group in effect (0.5.23: the runtime context; 0.5.12: parallel_state)."""
+    try:
+        from sglang.srt.runtime_context import get_parallel
+    except ImportError:
+        from sglang.srt.distributed.parallel_state import (
+            get_tensor_model_parallel_rank,
+            get_tensor_model_parallel_world_size,
+        )
+
+        return int(get_tensor_model_parallel_rank()), int(get_tensor_model_parallel_world_size())
+    ctx = get_parallel()
+    return int(ctx.tp_rank), int(ctx.tp_size)
+
+
+# ---- scheduler output path -----------------------------------------------------------------------------------
+def sender_wrapper_cls() -> type:
+    try:
+        from sglang.srt.managers.scheduler_components.output_sender import SenderWrapper
+    except ImportError:  # 0.5.12
+        from sglang.srt.managers.scheduler import SenderWrapper
+    return SenderWrapper
+
+
+class _AbortOnly:
+    """0.5.12's `send_to_tokenizer` on a rank other than 0: SGLang's is a no-op there (control answers stay
+    with rank 0); pass on only the per-request abort outputs, which this rank's replica owns."""
+
+    def __init__(self, sender) -> None:
+        self.sender = sender
+
+    def send_output(self, output, recv_obj=None) -> None:
+        from sglang.srt.managers.io_struct import AbortReq
+
+        if isinstance(output, AbortReq):
+            self.sender.send_output(output, recv_obj)
+
+
+def install_output_sockets(scheduler, sender) -> None:
+    """Make `sender` this scheduler's output path to the tokenizer manager (a rank other than 0)."""
+    if hasattr(scheduler, "ipc_channels"):  # 0.5.23: a dataclass; aborts go through `send_abort_output`
+        scheduler.ipc_channels = dataclasses.replace(scheduler.ipc_channels, send_to_detokenizer=sender)
+        return
+    scheduler.send_to_detokenizer = sender  # 0.5.12: plain attributes; aborts go through send_to_tokenizer
+    scheduler.send_to_tokenizer = _AbortOnly(sender)
+
+
+def route_abort_outputs(scheduler_cls) -> None:
+    """0.5.23: queued-request aborts leave through `Scheduler.send_abort_output` (rank 0's socket); send them
+    through the rank's own sender instead. 0.5.12 has no such method (`install_output_sockets` covers it)."""
+    if not hasattr(scheduler_cls, "send_abort_output"):
+        return
+    orig = scheduler_cls.send_abort_output
+
+    def send_abort_output(self, abort_req, req) -> None:
+        sender = getattr(self, "_pat_sender", None)
+        if sender is None:
+            return orig(self, abort_req, req)
+        sender.send_output(abort_req, req)
+
+    scheduler_cls.send_abort_output = send_abort_output
+
+
+# ---- build, attention, weights -------------------------------------------------------------------------------
+def build_methods() -> list[tuple[type, str]]:
+    """The methods that build the model, KV pool and attention backend, each to run under the base layout's
+    group. 0.5.23: three Scheduler methods, called after the distributed init. 0.5.12: all three are built in
+    `ModelRunner.initialize`; the distributed init runs earlier in ModelRunner.__init__ (so the scheduler's
+    `init_tp_model_worker` is too early for the pool's groups)."""
+    from sglang.srt.managers.scheduler import Scheduler
+
+    if hasattr(Scheduler, "init_memory_pools"):
+        return [(Scheduler, n) for n in ("init_tp_model_worker", "init_memory_pools", "init_all_attention_backends")]
+    from sglang.srt.model_executor.model_runner import ModelRunner
+
+    return [(ModelRunner, "initialize")]
+
+
+def weight_update_method() -> tuple[type, str]:
+    """Where a tensor weight update runs the weight loaders (to be wrapped with the layout's group)."""
+    try:
+        from sglang.srt.model_executor.model_runner_components.weight_updater import WeightUpdater
+    except ImportError:  # 0.5.12
+        from sglang.srt.model_executor.model_runner import ModelRunner
+
+        return ModelRunner, "update_weights_from_tensor"
+    return WeightUpdater, "update_weights_from_tensor"
+
+
+def reinit_attention(tp_worker) -> None:
+    """Re-create the attention backend(s) after a layout switch (they size per-head state at build time)."""
+    if hasattr(tp_worker, "init_attention_backends"):
+        tp_worker.init_attention_backends()
+    else:  # 0.5.12
+        tp_worker.model_runner.init_attention_backend()
+
+
+def weight_update_context(sgl) -> contextlib.AbstractContextManager:
+    """0.5.23 brackets tensor weight updates with begin/end_weight_update; 0.5.12 has neither."""
+    if not hasattr(sgl, "begin_weight_update"):
+        return contextlib.nullcontext()
+
+    @contextlib.contextmanager
+    def session() -> Iterator[None]:
+        sgl.begin_weight_update()
+        try:
+            yield
+        finally:
+            sgl.end_weight_update()
+
+    return session()
+
+
+# ---- radix cache and KV pool ---------------------------------------------------------------------------------
+def _new_radix_api() -> bool:
+    """0.5.23: MatchResult carries `device_prefix_len` (indices via `path_device_indices`), keys are arrays.
+    0.5.12: MatchResult carries `device_indices`, keys are lists."""
+    from sglang.srt.mem_cache.base_prefix_cache import MatchResult
+
+    return "device_prefix_len" in MatchResult._fields
+
+
+def _radix_key(tokens: list[int]):
+    from sglang.srt.mem_cache.radix_cache import RadixKey
+
+    return RadixKey(token_ids=array("q", tokens) if _new_radix_api() else list(tokens))
+
+
+def prefix_indices(tree, tokens: list[int]) -> torch.Tensor:
+    """KV pool indices of the longest prefix of `tokens` cached in SGLang's radix tree (public match API)."""
+    from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams
+
+    match = tree.match_prefix(MatchPrefixParams(key=_radix_key(tokens)))
+    if not _new_radix_api():
+        return match.device_indices
+    if match.device_prefix_len == 0:
+        return torch.empty(0, dtype=torch.int64)
+    return tree.path_device_indices(match.last_device_node)[: match.device_prefix_len]
+
+
+def insert_prefix(tree, tokens: list[int], slots: torch.Tensor) -> int:
+    """Insert `tokens` -> KV `slots` into the radix tree; returns the length of the prefix already there."""
+    from sglang.srt.mem_cache.base_prefix_cache import InsertParams
+
+    return int(tree.insert(InsertParams(key=_radix_key(tokens), value=slots)).prefix_len)
+
+
+def resize_kv_heads(pool, head_num: int) -> None:
+    """Re-create an MHA pool's K/V buffers for `head_num` local heads with SGLang's own `_create_buffers`
+    (which also refreshes `data_ptrs` / `data_strides` in both versions). 0.5.12 has no `v_row_dim`."""
+    pool.k_buffer = pool.v_buffer = None
+    pool.head_num = head_num
+    pool.row_dim = head_num * pool.head_dim
+    if hasattr(pool, "v_row_dim"):
+        pool.v_row_dim = head_num * pool.v_head_dim
+    pool._create_buffers()
+    if getattr(pool, "_kv_copy_config", None) is not None:  # CUDA: copy tiling follows the row size
+        pool._init_kv_copy_and_warmup()
+
+
+# ---- CPU-only workarounds inside scheduler processes ---------------------------------------------------------
+def _torch_without_pinning() -> types.ModuleType:
+    """`torch` as seen by one SGLang module, except that `torch.tensor` ignores `pin_memory`."""
+    shim = types.ModuleType("torch")
+
+    def tensor(*args: Any, pin_memory: bool = False, **kwargs: Any) -> torch.Tensor:
+        return torch.tensor(*args, **kwargs)
+
+    shim.__getattr__ = lambda name: getattr(torch, name)  # type: ignore[method-assign]
+    shim.tensor = tensor
+    return shim
+
+
+def apply_cpu_workarounds() -> None:
+    """Inside a scheduler process without CUDA. 0.5.12's LogitsProcessor builds index tensors with
+    `torch.tensor(..., pin_memory=True)` unconditionally, which fails without an NVIDIA driver (0.5.23 asks
+    `is_pin_memory_available()`). Give only that module a `torch` whose `tensor` drops the pinning: pinning
+    is a transfer optimisation, the values are the same."""
+    if torch.cuda.is_available():
+        return
+    from sglang.srt.layers import logits_processor
+
+    if not hasattr(logits_processor, "is_pin_memory_available"):
+        logits_processor.torch = _torch_without_pinning()
