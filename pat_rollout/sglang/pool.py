@@ -23,11 +23,11 @@ from typing import Any
 
 from pat_rollout.config import DTYPE_BYTES, PatRolloutConfig
 from pat_rollout.engine.base import EngineSnapshot, StepResult
-from pat_rollout.kv.cost import HandoffCost, choose_handoff
+from pat_rollout.kv.cost import HandoffCost
 from pat_rollout.layout import Layout
 from pat_rollout.types import ModelSpec, Request, RequestOutput, RequestState
 from pat_rollout.workers.pool import Pool
-from pat_rollout.workers.reconfigure import ReconfigResult, ReconfigurationError, balance
+from pat_rollout.workers.reconfigure import ReconfigResult, ReconfigurationError, balance, handoff_method
 
 logger = logging.getLogger(__name__)
 
@@ -210,12 +210,9 @@ class SglPool(Pool):
         return result
 
     def _method(self, s: RequestState, dst: Layout) -> str:
-        if self.config.kv_handoff != "auto":
-            return self.config.kv_handoff
-        if self.cost is None:
-            raise ValueError("kv_handoff='auto' needs a HandoffCost (measured constants from a latency profile)")
-        kv_bytes = self.spec.kv_bytes_per_token(1, DTYPE_BYTES[self.config.dtype])
-        return choose_handoff(s.num_tokens - 1, kv_bytes, dst.tp_size, "auto", cost=self.cost).method.value
+        # SGLang freed nothing it had cached: every token but the last sampled one has KV in the radix tree.
+        return handoff_method(self.config.kv_handoff, self.cost, self.spec, DTYPE_BYTES[self.config.dtype],
+                              s.num_tokens - 1, dst.tp_size)
 
     def _submit(self, states: list[RequestState], assign: dict[str, int]) -> None:
         by_replica: dict[int, list[RequestState]] = {}

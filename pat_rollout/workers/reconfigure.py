@@ -45,6 +45,17 @@ class ReconfigResult:
     total_s: float = 0.0
 
 
+def handoff_method(mode: str, cost: HandoffCost | None, spec: ModelSpec, dtype_bytes: int, num_cached_tokens: int,
+                   dst_tp: int) -> str:
+    """"migrate" or "recompute" for one request: `mode` unless it is "auto", else the cost model's choice."""
+    if mode != "auto":
+        return mode
+    if cost is None:
+        raise ValueError("kv_handoff='auto' needs a HandoffCost (measured constants from a latency profile)")
+    kv_bytes = spec.kv_bytes_per_token(1, dtype_bytes)  # every KV head crosses a link once
+    return choose_handoff(num_cached_tokens, kv_bytes, dst_tp, "auto", cost=cost).method.value
+
+
 def balance(states: list[RequestState], num_replicas: int) -> dict[str, int]:
     """Assign requests to replicas, longest context first onto the least-loaded replica."""
     load = [0] * num_replicas
@@ -122,12 +133,8 @@ class Reconfigurer:
         return result
 
     def _method(self, state: RequestState, dst: Layout) -> str:
-        if self.handoff != "auto":
-            return self.handoff
-        if self.cost is None:
-            raise ValueError("kv_handoff='auto' needs a HandoffCost (measured constants from a latency profile)")
-        kv_bytes = self.spec.kv_bytes_per_token(1, self.dtype_bytes)  # every KV head crosses a link once
-        return choose_handoff(state.num_cached_tokens, kv_bytes, dst.tp_size, "auto", cost=self.cost).method.value
+        return handoff_method(self.handoff, self.cost, self.spec, self.dtype_bytes, state.num_cached_tokens,
+                              dst.tp_size)
 
     def _rollback(self, states: list[RequestState]) -> None:
         devices = range(self.group.num_devices)

@@ -67,11 +67,13 @@ def copy_all_layer_kv_cache_cpu(data_ptrs: torch.Tensor, strides: torch.Tensor, 
         rows[tgt] = rows[src].clone()
 
 
-def _unsupported(name: str):
-    def fn(*args, **kwargs):
-        raise NotImplementedError(f"sgl_kernel.{name}: the CPU stand-in implements no speculative-decoding kernels")
+def _unsupported(name: str, reason: str = "implements no speculative-decoding kernels"):
+    """A named function that fails loudly: `sgl_kernel.<name>: the CPU stand-in <reason>`."""
 
-    fn.__name__ = name
+    def fn(*args, **kwargs):
+        raise NotImplementedError(f"sgl_kernel.{name}: the CPU stand-in {reason}")
+
+    fn.__name__ = name.rpartition(".")[2]
     return fn
 
 

@@ -7,14 +7,9 @@ enable either, so nothing here runs on their path: every function raises instead
 
 from __future__ import annotations
 
+from sgl_kernel import _unsupported
 
-def _unsupported(name: str):
-    def fn(*args, **kwargs):
-        raise NotImplementedError(f"sgl_kernel.kvcacheio.{name}: the CPU stand-in implements no host KV cache "
-                                  "transfers (hierarchical cache / HiSparse are off in the CPU tests)")
-
-    fn.__name__ = name
-    return fn
+_REASON = "implements no host KV cache transfers (hierarchical cache / HiSparse are off in the CPU tests)"
 
 
 # The real wheel's (sglang-kernel 0.4.2.post2) public functions.
@@ -34,4 +29,4 @@ _HOST_CACHE_ONLY = (
     "transfer_kv_all_layer_mla_lf_pf",
 )
 for _name in _HOST_CACHE_ONLY:
-    globals()[_name] = _unsupported(_name)
+    globals()[_name] = _unsupported(f"kvcacheio.{_name}", _REASON)
