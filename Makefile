@@ -17,38 +17,44 @@ $(STAMP): setup.py
 	$(PIP) install -q -e ".[test,verl]"
 	touch $(STAMP)
 
-# SGLang backend tests (also run by .ci/run): a separate venv (sglang pins torch 2.14.1; ~6 min, 11 GB).
-# See pat_rollout/sglang/INSTALL.md.
+# SGLang backend tests (also run by .ci/run): a separate venv (sglang pins torch 2.14.1; ~3 min, 7 GB).
+# sglang goes in with --no-deps, then its requirements minus the CUDA-only kernel wheels (they cannot load
+# without a GPU; the tests use a PyTorch stand-in for sgl_kernel). See pat_rollout/sglang/INSTALL.md.
 SGL_VENV ?= .venv-sglang
 SGL_STAMP := $(SGL_VENV)/.pat_installed
+CPU_REQS := tests/sglang_cpu_requirements.py
 
 install-sglang: $(SGL_STAMP)
 
-$(SGL_STAMP): setup.py
+$(SGL_STAMP): setup.py $(CPU_REQS)
 	test -x $(SGL_VENV)/bin/python || python3 -m venv $(SGL_VENV)
-	$(SGL_VENV)/bin/python -m pip install -q --upgrade pip
+	$(SGL_VENV)/bin/python -m pip install -q --upgrade pip packaging
 	$(SGL_VENV)/bin/python -m pip install -q "torch==2.14.1" "torchvision==0.29.1"
-	$(SGL_VENV)/bin/python -m pip install -q "sglang==0.5.23" transformers pytest pytest-timeout
+	$(SGL_VENV)/bin/python -m pip install -q --no-deps "sglang==0.5.23"
+	$(SGL_VENV)/bin/python $(CPU_REQS) sglang > $(SGL_VENV)/sglang-cpu-requirements.txt
+	$(SGL_VENV)/bin/python -m pip install -q -r $(SGL_VENV)/sglang-cpu-requirements.txt transformers pytest pytest-timeout
 	$(SGL_VENV)/bin/python -m pip install -q --no-deps -e .
 	touch $(SGL_STAMP)
 
 test-sglang: $(SGL_STAMP)
 	$(SGL_VENV)/bin/python -m pytest tests/sglang_backend -q -rs -p no:cacheprovider --timeout=900
 
-# verl's own pin: verl 0.9.1 with SGLang 0.5.12 (torch 2.11.0) in one venv, as a verl user installs it
-# (~5 min, 10 GB). Two steps: sglang 0.5.12 with its torch first, then verl-core and the rest pinned to the
-# same torch; kernels < 0.13 for transformers 5.9. See pat_rollout/sglang/INSTALL.md.
+# verl's own pin: verl 0.9.1 with SGLang 0.5.12 (torch 2.11.0) in one venv, as a verl user installs it, less the
+# CUDA-only kernel wheels as above (~3 min, 6.5 GB). sglang 0.5.12 with its torch first, then verl-core and the rest
+# pinned to the same torch; kernels < 0.13 for transformers 5.9. See pat_rollout/sglang/INSTALL.md.
 VSGL_VENV ?= .venv-verl-sgl
 VSGL_STAMP := $(VSGL_VENV)/.pat_installed
 VSGL_TORCH := "torch==2.11.0" "torchvision==0.26.0" "torchaudio==2.11.0"
 
 install-verl-sglang: $(VSGL_STAMP)
 
-$(VSGL_STAMP): setup.py
+$(VSGL_STAMP): setup.py $(CPU_REQS)
 	test -x $(VSGL_VENV)/bin/python || python3 -m venv $(VSGL_VENV)
-	$(VSGL_VENV)/bin/python -m pip install -q --upgrade pip
-	$(VSGL_VENV)/bin/python -m pip install -q $(VSGL_TORCH) "sglang==0.5.12"
-	$(VSGL_VENV)/bin/python -m pip install -q "verl[verl-core]==0.9.1" "transformers==5.9.0" mbridge sglang-kernel \
+	$(VSGL_VENV)/bin/python -m pip install -q --upgrade pip packaging
+	$(VSGL_VENV)/bin/python -m pip install -q --no-deps "sglang==0.5.12"
+	$(VSGL_VENV)/bin/python $(CPU_REQS) sglang > $(VSGL_VENV)/sglang-cpu-requirements.txt
+	$(VSGL_VENV)/bin/python -m pip install -q -r $(VSGL_VENV)/sglang-cpu-requirements.txt $(VSGL_TORCH)
+	$(VSGL_VENV)/bin/python -m pip install -q "verl[verl-core]==0.9.1" "transformers==5.9.0" mbridge \
 		$(VSGL_TORCH) pytest pytest-timeout
 	$(VSGL_VENV)/bin/python -m pip install -q "kernels>=0.12,<0.13"
 	$(VSGL_VENV)/bin/python -m pip install -q --no-deps -e .
