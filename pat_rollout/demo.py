@@ -17,9 +17,10 @@ import argparse
 import logging
 import os
 import random
-import time
+import sys
 from pathlib import Path
 
+from pat_rollout.bench.side_by_side import print_reconfigs, print_table, run_all
 from pat_rollout.config import PatRolloutConfig
 from pat_rollout.models import make_tiny_model
 from pat_rollout.types import Request, SamplingParams
@@ -35,20 +36,6 @@ def skewed_batch(num_requests: int, num_long: int, short_len: int, long_len: int
         reqs.append(Request(request_id=f"req-{i}", prompt_token_ids=prompt,
                             sampling=SamplingParams(max_new_tokens=n, ignore_eos=True)))
     return reqs
-
-
-def run_policy(name: str, cfg: PatRolloutConfig, requests: list[Request]) -> tuple[float, list, dict]:
-    from pat_rollout.workers.driver import RolloutDriver
-
-    driver = RolloutDriver(cfg)
-    try:
-        driver.generate(requests[-2:])  # warm-up on short requests: first-touch allocations, gloo connections
-        t0 = time.perf_counter()
-        outputs = driver.generate(requests)
-        elapsed = time.perf_counter() - t0
-        return elapsed, outputs, driver.stage_metrics()
-    finally:
-        driver.shutdown()
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -82,27 +69,18 @@ def main(argv: list[str] | None = None) -> None:
             "PAT, CPU profile": PatRolloutConfig(policy="pat", initial_tp=1, planner=eager, **common),
             "PAT, H100 profile": PatRolloutConfig(policy="pat", initial_tp=1, planner=eager,
                                                   profile_path="h100_llama31_8b", **common)}
-    results = {}
-    for name, cfg in runs.items():
-        print(f"running {name} ...", flush=True)
-        results[name] = run_policy(name, cfg, requests)
+    # Warm-up on two short requests: first-touch allocations, gloo connections.
+    results = run_all(runs, requests, warmup=requests[-2:])
     ray.shutdown()
 
-    ref_tokens = [o.token_ids for o in next(iter(results.values()))[1]]
-    best_static = min(t for n, (t, _, _) in results.items() if n.startswith("static"))
-    print(f"\n{'policy':<22}{'gen time s':>12}{'vs best static':>16}{'reconfigs':>11}{'same tokens':>13}")
-    for name, (t, outs, m) in results.items():
-        same = [o.token_ids for o in outs] == ref_tokens
-        print(f"{name:<22}{t:>12.2f}{t / best_static:>16.2f}{m.get('pat/num_reconfigs', 0):>11}{str(same):>13}")
+    all_same = print_table(results)
     for name in ("PAT, CPU profile", "PAT, H100 profile"):
-        m = results[name][2]
-        phases = {k.split("reconfig_")[1].removesuffix("_s"): round(v, 4) for k, v in m.items() if "/reconfig_" in k}
-        print(f"\n{name}: layouts {m.get('pat/layouts')}")
-        print(f"  reconfiguration phases (s, summed): {phases or 'none'}; handed off "
-              f"{m.get('pat/num_migrated', 0)} by KV migration, {m.get('pat/num_recomputed', 0)} by recomputation")
+        print_reconfigs(name, results[name].metrics)
     print("\nfirst outputs (token ids):")
-    for o in results["PAT, H100 profile"][1][:3]:
+    for o in results["PAT, H100 profile"].outputs[:3]:
         print(f"  {o.request_id}: {len(o.token_ids)} tokens {list(o.token_ids[:12])} ... ({o.finish_reason})")
+    if not all_same:
+        sys.exit("FAIL: greedy outputs differ between runs (see 'same tokens' above)")
 
 
 if __name__ == "__main__":

@@ -18,9 +18,10 @@ import argparse
 import logging
 import os
 import random
-import time
+import sys
 from pathlib import Path
 
+from pat_rollout.bench.side_by_side import print_reconfigs, print_table, run_all
 from pat_rollout.config import PatRolloutConfig
 from pat_rollout.sim.traces import deepscaler_like, verl_like
 from pat_rollout.types import Request, SamplingParams
@@ -41,19 +42,6 @@ def trace_requests(trace_name: str, *, num_prompts: int, samples: int, max_new_t
         reqs.append(Request(request_id=f"{rec.prompt_id}-{i}", prompt_token_ids=prompts[rec.prompt_id],
                             sampling=SamplingParams(max_new_tokens=rec.response_len, ignore_eos=True)))
     return reqs
-
-
-def run(cfg: PatRolloutConfig, requests: list[Request]) -> tuple[float, list, dict]:
-    from pat_rollout.workers.driver import RolloutDriver
-
-    driver = RolloutDriver(cfg)
-    try:
-        driver.generate(requests[:2])  # warm-up: first batches, allocator, kernels
-        t0 = time.perf_counter()
-        outs = driver.generate(requests)
-        return time.perf_counter() - t0, outs, driver.stage_metrics()
-    finally:
-        driver.shutdown()
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -98,20 +86,11 @@ def main(argv: list[str] | None = None) -> None:
     runs = {f"static {n}xTP1": PatRolloutConfig(policy="static", initial_tp=1, **common),
             f"static 1xTP{n}": PatRolloutConfig(policy="static", initial_tp=n, **common),
             "PAT": PatRolloutConfig(policy="pat", initial_tp=1, candidate_tps=(1, n), **common)}
-    results = {}
-    for name, cfg in runs.items():
-        print(f"running {name} ...", flush=True)
-        results[name] = run(cfg, requests)
-    ref = [o.token_ids for o in next(iter(results.values()))[1]]
-    best = min(t for name, (t, _, _) in results.items() if name.startswith("static"))
-    print(f"\n{'policy':<16}{'gen time s':>12}{'vs best static':>16}{'reconfigs':>11}{'same tokens':>13}")
-    for name, (t, outs, m) in results.items():
-        same = [o.token_ids for o in outs] == ref
-        print(f"{name:<16}{t:>12.2f}{t / best:>16.3f}{m.get('pat/num_reconfigs', 0):>11}{str(same):>13}")
-    m = results["PAT"][2]
-    print(f"\nPAT layouts: {m.get('pat/layouts')}; migrated {m.get('pat/num_migrated', 0)}, recomputed "
-          f"{m.get('pat/num_recomputed', 0)}; phases (s): "
-          f"{ {k.split('reconfig_')[1]: round(v, 3) for k, v in m.items() if '/reconfig_' in k} }")
+    results = run_all(runs, requests, warmup=requests[:2])  # warm-up: first batches, allocator, kernels
+    all_same = print_table(results)
+    print_reconfigs("PAT", results["PAT"].metrics)
+    if not all_same:
+        sys.exit("FAIL: greedy outputs differ between runs (see 'same tokens' above)")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,71 @@
+"""Run one batch under several rollout configs, one after the other, and compare them side by side.
+
+Shared by `pat_rollout.demo` and the benchmarks: each run gets a fresh driver and a warm-up, times only the real
+generate call, and the table reports ratios to the best static layout of the same run (absolute times on a
+shared machine are noise; ratios measured minutes apart on the same machine are less so).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from pat_rollout.config import PatRolloutConfig
+from pat_rollout.types import Request, RequestOutput
+
+
+@dataclass
+class RunResult:
+    seconds: float
+    outputs: list[RequestOutput]
+    metrics: dict
+
+
+def timed_generate(cfg: PatRolloutConfig, requests: list[Request], warmup: list[Request]) -> RunResult:
+    """Generate `requests` on a fresh driver for `cfg` after generating `warmup` (first-touch allocations,
+    connections, kernels), and shut the driver down whatever happens."""
+    from pat_rollout.workers.driver import RolloutDriver
+
+    driver = RolloutDriver(cfg)
+    try:
+        driver.generate(warmup)
+        t0 = time.perf_counter()
+        outputs = driver.generate(requests)
+        return RunResult(time.perf_counter() - t0, outputs, driver.stage_metrics())
+    finally:
+        driver.shutdown()
+
+
+def run_all(runs: dict[str, PatRolloutConfig], requests: list[Request], warmup: list[Request]
+            ) -> dict[str, RunResult]:
+    results = {}
+    for name, cfg in runs.items():
+        print(f"running {name} ...", flush=True)
+        results[name] = timed_generate(cfg, requests, warmup)
+    return results
+
+
+def print_table(results: dict[str, RunResult]) -> bool:
+    """Print time, ratio to the best run named "static ...", reconfigurations and whether every run produced the
+    first run's tokens; returns that last answer for all runs (greedy runs must agree token for token)."""
+    ref = [o.token_ids for o in next(iter(results.values())).outputs]
+    best = min(r.seconds for name, r in results.items() if name.startswith("static"))
+    width = max(len(name) for name in results) + 2
+    print(f"\n{'policy':<{width}}{'gen time s':>12}{'vs best static':>16}{'reconfigs':>11}{'same tokens':>13}")
+    all_same = True
+    for name, r in results.items():
+        same = [o.token_ids for o in r.outputs] == ref
+        all_same &= same
+        print(f"{name:<{width}}{r.seconds:>12.2f}{r.seconds / best:>16.3f}"
+              f"{r.metrics.get('pat/num_reconfigs', 0):>11}{str(same):>13}")
+    return all_same
+
+
+def print_reconfigs(name: str, metrics: dict) -> None:
+    """The layouts a PAT run used over time, its reconfiguration phase times and how requests were handed off."""
+    phases = {k.split("reconfig_")[1].removesuffix("_s"): round(v, 4) for k, v in metrics.items()
+              if "/reconfig_" in k}
+    print(f"\n{name}: layouts {metrics.get('pat/layouts')}")
+    print(f"  reconfiguration phases (s, summed): {phases or 'none'}; handed off "
+          f"{metrics.get('pat/num_migrated', 0)} by KV migration, {metrics.get('pat/num_recomputed', 0)} by "
+          "recomputation")
