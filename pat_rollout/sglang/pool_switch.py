@@ -116,6 +116,10 @@ def _reinit_attention(self) -> None:
         compat.reinit_attention(self.tp_worker)
 
 
+def _num_kv_heads(hf: dict[str, Any]) -> int:
+    return int(hf.get("num_key_value_heads") or hf["num_attention_heads"])
+
+
 def pat_switch(self, dst_groups: list[list[int]], moves: list[list[Any]], path: str) -> None:
     """Switch this rank to layout `dst_groups`. `moves`: [request_id, tokens, src_replica, dst_replica] of every
     request chosen for KV migration (tokens = prompt + generated so far)."""
@@ -123,7 +127,7 @@ def pat_switch(self, dst_groups: list[list[int]], moves: list[list[Any]], path: 
     src, dst = Layout(st.groups), Layout(tuple(tuple(g) for g in dst_groups))
     rank, runner = st.rank, self.tp_worker.model_runner
     hf = _hf_config_dict(self)
-    num_kv_heads = int(hf.get("num_key_value_heads") or hf["num_attention_heads"])
+    num_kv_heads = _num_kv_heads(hf)
     pool = _kv_pool(self)
     phase: dict[str, float] = {}
     t = time.perf_counter()
@@ -196,9 +200,7 @@ def pat_restore_base(self, path: str) -> None:
     params = {n: t.to(next(runner.model.parameters()).device, copy=True) for n, t in st.backup.items()}
     st.groups = base.groups
     _rebuild(self, params, base.tp_size)
-    hf = _hf_config_dict(self)
-    num_kv_heads = int(hf.get("num_key_value_heads") or hf["num_attention_heads"])
-    lo, hi = kv_heads_for_rank(num_kv_heads, base.position(st.rank)[1], base.tp_size)
+    lo, hi = kv_heads_for_rank(_num_kv_heads(_hf_config_dict(self)), base.position(st.rank)[1], base.tp_size)
     _reshape_kv_pool(_kv_pool(self), hi - lo)
     _reinit_attention(self)
     _write(path, st.rank, dict(layout=[list(g) for g in st.groups]))

@@ -59,6 +59,17 @@ def pat_save_params(self, path: str) -> None:
     torch.save(dict(params=params, info=info), f"{path}.rank{tp_rank}.pt")
 
 
+def _bind(new: torch.nn.Module, slot: str, sources: dict[str, torch.Tensor], targets) -> None:
+    """Put each `sources[name]` into `new` in place of its same-named meta tensor (`slot`: _parameters or _buffers),
+    refusing any shape that differs from what SGLang's constructor made for the current TP."""
+    for name, t in list(targets):
+        src = sources[name]
+        if tuple(src.shape) != tuple(t.shape):
+            raise RuntimeError(f"{name}: resharded shape {tuple(src.shape)} != new module's {tuple(t.shape)}")
+        mod, _, leaf = name.rpartition(".")
+        getattr(new.get_submodule(mod), slot)[leaf] = src
+
+
 def rebuild_model_for_current_tp(old: torch.nn.Module, params: dict[str, torch.Tensor] | None = None
                                  ) -> torch.nn.Module:
     """A new module tree of `type(old)` built for the TP in the current runtime context (on the meta device,
@@ -71,19 +82,8 @@ def rebuild_model_for_current_tp(old: torch.nn.Module, params: dict[str, torch.T
     old_params = dict(old.named_parameters())
     for name, t in (params or {}).items():
         old_params[name] = t if isinstance(t, torch.nn.Parameter) else torch.nn.Parameter(t, requires_grad=False)
-    old_buffers = dict(old.named_buffers())
-    for name, p in list(new.named_parameters()):
-        src = old_params[name]
-        if tuple(src.shape) != tuple(p.shape):
-            raise RuntimeError(f"{name}: resharded shape {tuple(src.shape)} != new module's {tuple(p.shape)}")
-        mod, _, leaf = name.rpartition(".")
-        new.get_submodule(mod)._parameters[leaf] = src
-    for name, b in list(new.named_buffers()):
-        src = old_buffers[name]
-        if tuple(src.shape) != tuple(b.shape):
-            raise RuntimeError(f"buffer {name}: {tuple(src.shape)} != {tuple(b.shape)}")
-        mod, _, leaf = name.rpartition(".")
-        new.get_submodule(mod)._buffers[leaf] = src
+    _bind(new, "_parameters", old_params, new.named_parameters())
+    _bind(new, "_buffers", dict(old.named_buffers()), new.named_buffers())
     # Attributes SGLang's loader sets on modules after construction (e.g. `shared_experts_config`).
     new_mods = dict(new.named_modules())
     for mname, omod in old.named_modules():
