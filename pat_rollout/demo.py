@@ -48,6 +48,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--model", default="llama-demo", help="tiny preset to create locally")
     ap.add_argument("--model-dir", default=os.path.expanduser("~/.cache/pat_rollout/models"))
     ap.add_argument("--kv-handoff", default="auto", choices=["auto", "migrate", "recompute"])
+    ap.add_argument("--repeats", type=int, default=1, help="timed runs per policy on one driver; the median is shown")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
 
@@ -70,7 +71,7 @@ def main(argv: list[str] | None = None) -> None:
             "PAT, H100 profile": PatRolloutConfig(policy="pat", initial_tp=1, planner=eager,
                                                   profile_path="h100_llama31_8b", **common)}
     # Warm-up on two short requests: first-touch allocations, gloo connections.
-    results = run_all(runs, requests, warmup=requests[-2:])
+    results = run_all(runs, requests, warmup=requests[-2:], repeats=args.repeats)
     ray.shutdown()
 
     all_same = print_table(results)

@@ -57,6 +57,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--profile", default="h100_llama31_8b", help="latency profile for the PAT planner")
     ap.add_argument("--dtype", default=None, help="default: bfloat16 on GPU, float32 on CPU")
     ap.add_argument("--kv-handoff", default="auto", choices=["auto", "migrate", "recompute"])
+    ap.add_argument("--repeats", type=int, default=1, help="timed runs per policy on one driver; the median is shown")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
 
@@ -86,7 +87,8 @@ def main(argv: list[str] | None = None) -> None:
     runs = {f"static {n}xTP1": PatRolloutConfig(policy="static", initial_tp=1, **common),
             f"static 1xTP{n}": PatRolloutConfig(policy="static", initial_tp=n, **common),
             "PAT": PatRolloutConfig(policy="pat", initial_tp=1, candidate_tps=(1, n), **common)}
-    results = run_all(runs, requests, warmup=requests[:2])  # warm-up: first batches, allocator, kernels
+    # Warm-up on two requests: first batches, allocator, kernels.
+    results = run_all(runs, requests, warmup=requests[:2], repeats=args.repeats)
     all_same = print_table(results)
     print_reconfigs("PAT", results["PAT"].metrics)
     if not all_same:

@@ -7,8 +7,9 @@ shared machine are noise; ratios measured minutes apart on the same machine are 
 
 from __future__ import annotations
 
+import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from pat_rollout.config import PatRolloutConfig
 from pat_rollout.types import Request, RequestOutput
@@ -16,48 +17,65 @@ from pat_rollout.types import Request, RequestOutput
 
 @dataclass
 class RunResult:
-    seconds: float
-    outputs: list[RequestOutput]
-    metrics: dict
+    times: list[float]  # one per repeat
+    outputs: list[RequestOutput]  # of the last repeat
+    metrics: dict  # stage metrics of the last repeat
+    same_each_repeat: bool = True  # every repeat produced the same tokens
+    seconds: float = field(init=False)  # median over repeats
+
+    def __post_init__(self) -> None:
+        self.seconds = statistics.median(self.times)
 
 
-def timed_generate(cfg: PatRolloutConfig, requests: list[Request], warmup: list[Request]) -> RunResult:
-    """Generate `requests` on a fresh driver for `cfg` after generating `warmup` (first-touch allocations,
-    connections, kernels), and shut the driver down whatever happens."""
+def timed_generate(cfg: PatRolloutConfig, requests: list[Request], warmup: list[Request],
+                   repeats: int = 1) -> RunResult:
+    """Generate `requests` `repeats` times on one fresh driver for `cfg` after generating `warmup` (first-touch
+    allocations, connections, kernels), and shut the driver down whatever happens."""
     from pat_rollout.workers.driver import RolloutDriver
 
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {repeats}")
     driver = RolloutDriver(cfg)
     try:
         driver.generate(warmup)
-        t0 = time.perf_counter()
-        outputs = driver.generate(requests)
-        return RunResult(time.perf_counter() - t0, outputs, driver.stage_metrics())
+        times, tokens = [], []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            outputs = driver.generate(requests)
+            times.append(time.perf_counter() - t0)
+            tokens.append([o.token_ids for o in outputs])
+        return RunResult(times, outputs, driver.stage_metrics(), all(t == tokens[0] for t in tokens))
     finally:
         driver.shutdown()
 
 
-def run_all(runs: dict[str, PatRolloutConfig], requests: list[Request], warmup: list[Request]
-            ) -> dict[str, RunResult]:
+def run_all(runs: dict[str, PatRolloutConfig], requests: list[Request], warmup: list[Request],
+            repeats: int = 1) -> dict[str, RunResult]:
     results = {}
     for name, cfg in runs.items():
         print(f"running {name} ...", flush=True)
-        results[name] = timed_generate(cfg, requests, warmup)
+        results[name] = timed_generate(cfg, requests, warmup, repeats)
     return results
 
 
 def print_table(results: dict[str, RunResult]) -> bool:
-    """Print time, ratio to the best run named "static ...", reconfigurations and whether every run produced the
-    first run's tokens; returns that last answer for all runs (greedy runs must agree token for token)."""
+    """Print the median time (and its spread over repeats), ratio to the best run named "static ...",
+    reconfigurations and whether every run (and repeat) produced the first run's tokens; returns that last answer
+    for all runs (greedy runs must agree token for token)."""
     ref = [o.token_ids for o in next(iter(results.values())).outputs]
     best = min(r.seconds for name, r in results.items() if name.startswith("static"))
     width = max(len(name) for name in results) + 2
-    print(f"\n{'policy':<{width}}{'gen time s':>12}{'vs best static':>16}{'reconfigs':>11}{'same tokens':>13}")
+    print(f"\n{'policy':<{width}}{'gen time s':>12}{'min-max s':>14}{'vs best static':>16}{'reconfigs':>11}"
+          f"{'same tokens':>13}")
     all_same = True
     for name, r in results.items():
-        same = [o.token_ids for o in r.outputs] == ref
+        same = r.same_each_repeat and [o.token_ids for o in r.outputs] == ref
         all_same &= same
-        print(f"{name:<{width}}{r.seconds:>12.2f}{r.seconds / best:>16.3f}"
+        spread = f"{min(r.times):.2f}-{max(r.times):.2f}"
+        print(f"{name:<{width}}{r.seconds:>12.2f}{spread:>14}{r.seconds / best:>16.3f}"
               f"{r.metrics.get('pat/num_reconfigs', 0):>11}{str(same):>13}")
+    if len(next(iter(results.values())).times) > 1:
+        print("(gen time: median over repeats on one driver; reconfigs: of the last repeat)")
     return all_same
 
 
