@@ -34,6 +34,7 @@ from pat_rollout.layout.transition import plan_weights
 from pat_rollout.reshard.apply import reshard_local
 from pat_rollout.sglang import compat, pool_hooks
 from pat_rollout.sglang.scheduler_hooks import _hf_config_dict, rebuild_model_for_current_tp, sglang_specs
+from pat_rollout.types import ModelSpec
 
 
 def _world():
@@ -116,10 +117,6 @@ def _reinit_attention(self) -> None:
         compat.reinit_attention(self.tp_worker)
 
 
-def _num_kv_heads(hf: dict[str, Any]) -> int:
-    return int(hf.get("num_key_value_heads") or hf["num_attention_heads"])
-
-
 def pat_switch(self, dst_groups: list[list[int]], moves: list[list[Any]], path: str) -> None:
     """Switch this rank to layout `dst_groups`. `moves`: [request_id, tokens, src_replica, dst_replica] of every
     request chosen for KV migration (tokens = prompt + generated so far)."""
@@ -127,7 +124,7 @@ def pat_switch(self, dst_groups: list[list[int]], moves: list[list[Any]], path: 
     src, dst = Layout(st.groups), Layout(tuple(tuple(g) for g in dst_groups))
     rank, runner = st.rank, self.tp_worker.model_runner
     hf = _hf_config_dict(self)
-    num_kv_heads = _num_kv_heads(hf)
+    num_kv_heads = ModelSpec.from_hf_config(hf).num_kv_heads
     pool = _kv_pool(self)
     phase: dict[str, float] = {}
     t = time.perf_counter()
@@ -200,7 +197,8 @@ def pat_restore_base(self, path: str) -> None:
     params = {n: t.to(next(runner.model.parameters()).device, copy=True) for n, t in st.backup.items()}
     st.groups = base.groups
     _rebuild(self, params, base.tp_size)
-    lo, hi = kv_heads_for_rank(_num_kv_heads(_hf_config_dict(self)), base.position(st.rank)[1], base.tp_size)
+    num_kv_heads = ModelSpec.from_hf_config(_hf_config_dict(self)).num_kv_heads
+    lo, hi = kv_heads_for_rank(num_kv_heads, base.position(st.rank)[1], base.tp_size)
     _reshape_kv_pool(_kv_pool(self), hi - lo)
     _reinit_attention(self)
     _write(path, st.rank, dict(layout=[list(g) for g in st.groups]))
