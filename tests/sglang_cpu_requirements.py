@@ -11,11 +11,11 @@ CI machine's disk may not have. On a GPU, install sglang normally.
 from __future__ import annotations
 
 import argparse
-import re
 import sys
 from importlib.metadata import PackageNotFoundError, requires
 
 from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
 
 # CUDA-only kernels and their CUDA-only helpers, as named in sglang 0.5.12 and 0.5.23's metadata.
 GPU_ONLY = frozenset(
@@ -38,10 +38,6 @@ GPU_ONLY = frozenset(
 )
 
 
-def canonical(name: str) -> str:
-    return re.sub(r"[-_.]+", "-", name).lower()
-
-
 def cpu_requirements(dist: str, without: frozenset[str] = GPU_ONLY) -> list[str]:
     """`dist`'s unconditional requirements for this platform (no extras), minus the names in `without`."""
     try:
@@ -53,7 +49,7 @@ def cpu_requirements(dist: str, without: frozenset[str] = GPU_ONLY) -> list[str]
         req = Requirement(line)
         if req.marker is not None and not req.marker.evaluate({"extra": ""}):
             continue
-        if canonical(req.name) in without:
+        if canonicalize_name(req.name) in without:
             continue
         req.marker = None
         kept.append(str(req))
