@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from pat_rollout.config import PatRolloutConfig
 from pat_rollout.types import Request, RequestOutput
@@ -21,10 +21,11 @@ class RunResult:
     outputs: list[RequestOutput]  # of the last repeat
     metrics: dict  # stage metrics of the last repeat
     same_each_repeat: bool = True  # every repeat produced the same tokens
-    seconds: float = field(init=False)  # median over repeats
 
-    def __post_init__(self) -> None:
-        self.seconds = statistics.median(self.times)
+    @property
+    def seconds(self) -> float:
+        """Median over repeats."""
+        return statistics.median(self.times)
 
 
 def timed_generate(cfg: PatRolloutConfig, requests: list[Request], warmup: list[Request],
