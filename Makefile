@@ -24,15 +24,20 @@ SGL_VENV ?= .venv-sglang
 SGL_STAMP := $(SGL_VENV)/.pat_installed
 CPU_REQS := tests/sglang_cpu_requirements.py
 
+# $(1) venv, $(2) sglang version, $(3) packages installed together with sglang's requirements (less the kernels).
+define install_sglang_cpu
+	$(1)/bin/python -m pip install -q --no-deps "sglang==$(2)"
+	$(1)/bin/python $(CPU_REQS) sglang > $(1)/sglang-cpu-requirements.txt
+	$(1)/bin/python -m pip install -q -r $(1)/sglang-cpu-requirements.txt $(3)
+endef
+
 install-sglang: $(SGL_STAMP)
 
 $(SGL_STAMP): setup.py $(CPU_REQS)
 	test -x $(SGL_VENV)/bin/python || python3 -m venv $(SGL_VENV)
 	$(SGL_VENV)/bin/python -m pip install -q --upgrade pip packaging
 	$(SGL_VENV)/bin/python -m pip install -q "torch==2.14.1" "torchvision==0.29.1"
-	$(SGL_VENV)/bin/python -m pip install -q --no-deps "sglang==0.5.23"
-	$(SGL_VENV)/bin/python $(CPU_REQS) sglang > $(SGL_VENV)/sglang-cpu-requirements.txt
-	$(SGL_VENV)/bin/python -m pip install -q -r $(SGL_VENV)/sglang-cpu-requirements.txt transformers pytest pytest-timeout
+	$(call install_sglang_cpu,$(SGL_VENV),0.5.23,transformers pytest pytest-timeout)
 	$(SGL_VENV)/bin/python -m pip install -q --no-deps -e .
 	touch $(SGL_STAMP)
 
@@ -51,9 +56,7 @@ install-verl-sglang: $(VSGL_STAMP)
 $(VSGL_STAMP): setup.py $(CPU_REQS)
 	test -x $(VSGL_VENV)/bin/python || python3 -m venv $(VSGL_VENV)
 	$(VSGL_VENV)/bin/python -m pip install -q --upgrade pip packaging
-	$(VSGL_VENV)/bin/python -m pip install -q --no-deps "sglang==0.5.12"
-	$(VSGL_VENV)/bin/python $(CPU_REQS) sglang > $(VSGL_VENV)/sglang-cpu-requirements.txt
-	$(VSGL_VENV)/bin/python -m pip install -q -r $(VSGL_VENV)/sglang-cpu-requirements.txt $(VSGL_TORCH)
+	$(call install_sglang_cpu,$(VSGL_VENV),0.5.12,$(VSGL_TORCH))
 	$(VSGL_VENV)/bin/python -m pip install -q "verl[verl-core]==0.9.1" "transformers==5.9.0" mbridge \
 		$(VSGL_TORCH) pytest pytest-timeout
 	$(VSGL_VENV)/bin/python -m pip install -q "kernels>=0.12,<0.13"
