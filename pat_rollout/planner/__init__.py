@@ -4,13 +4,14 @@ latency profile, and decides when and to which TP to reconfigure (saving > overh
 Pure: imports only the stdlib, pat_rollout.types and pat_rollout.profile.model (no torch, ray or sglang).
 """
 
+from pat_rollout.planner.balance import assign_new, balance
 from pat_rollout.planner.cost import TransitionCost, transition_cost
-from pat_rollout.planner.estimator import balance, drain_s, replica_drain_s
+from pat_rollout.planner.estimator import drain_s, replica_drain_s
 from pat_rollout.planner.policy import Option, Planner, PlannerConfig
 from pat_rollout.planner.predictor import LengthPredictor, PredictorConfig
 from pat_rollout.planner.state import ClusterState, Decision, ReqProgress
 
 __all__ = [
     "ClusterState", "Decision", "LengthPredictor", "Option", "Planner", "PlannerConfig", "PredictorConfig",
-    "ReqProgress", "TransitionCost", "balance", "drain_s", "replica_drain_s", "transition_cost",
+    "ReqProgress", "TransitionCost", "assign_new", "balance", "drain_s", "replica_drain_s", "transition_cost",
 ]

@@ -4,25 +4,12 @@ finishes, so each stretch between finishes is one chunk (split so the mean conte
 
 from __future__ import annotations
 
-import heapq
 from collections.abc import Sequence
 
+from pat_rollout.planner.balance import balance
 from pat_rollout.profile.model import LatencyModel
 
 MAX_CHUNK_STEPS = 1024
-
-
-def balance(loads: Sequence[int], num_replicas: int) -> list[int]:
-    """Replica index for each load: longest first onto the least-loaded replica (ties: lowest index).
-    Deterministic; balances both the summed load and the count of items."""
-    order = sorted(range(len(loads)), key=lambda i: (-loads[i], i))
-    heap = [(0, 0, r) for r in range(num_replicas)]
-    out = [0] * len(loads)
-    for i in order:
-        load, count, r = heapq.heappop(heap)
-        out[i] = r
-        heapq.heappush(heap, (load + loads[i], count + 1, r))
-    return out
 
 
 def replica_drain_s(model: LatencyModel, tp: int, remaining: Sequence[int], num_tokens: Sequence[int],

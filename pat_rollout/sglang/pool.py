@@ -27,7 +27,7 @@ from pat_rollout.kv.cost import HandoffCost
 from pat_rollout.layout import Layout
 from pat_rollout.types import ModelSpec, Request, RequestOutput, RequestState
 from pat_rollout.workers.pool import Pool
-from pat_rollout.workers.reconfigure import ReconfigResult, ReconfigurationError, balance, handoff_method
+from pat_rollout.workers.reconfigure import ReconfigResult, ReconfigurationError, balance_states, handoff_method
 
 logger = logging.getLogger(__name__)
 
@@ -177,7 +177,7 @@ class SglPool(Pool):
         t = time.perf_counter()
         states = self.client.export_requests(None)  # abort; tokens + log-probs come back with the aborts
         result.phase_s["export"] = time.perf_counter() - t
-        new_assign = balance(states, dst.num_replicas)
+        new_assign = balance_states(states, dst.num_replicas)
         migrated = [s for s in states if self._method(s, dst) == "migrate"]
         moves = [[s.request_id, list(s.prompt_token_ids + s.output_token_ids), self._replica[s.request_id],
                   new_assign[s.request_id]] for s in migrated]
@@ -225,7 +225,7 @@ class SglPool(Pool):
     def _rollback(self, states: list[RequestState]) -> None:
         self._rpc("pat_restore_base", path="")
         self.layout = self.base
-        self._submit(states, balance(states, self.base.num_replicas))
+        self._submit(states, balance_states(states, self.base.num_replicas))
 
     # ---- weights, memory, info -------------------------------------------------------------------
     def update_weights(self, named_tensors: list[tuple[str, Any]]) -> None:

@@ -18,8 +18,8 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from pat_rollout.planner.balance import balance
 from pat_rollout.planner.cost import transition_cost
-from pat_rollout.planner.estimator import balance
 from pat_rollout.planner.policy import Planner
 from pat_rollout.planner.state import ClusterState, Decision, ReqProgress
 from pat_rollout.profile.model import LatencyModel

@@ -19,6 +19,7 @@ from pat_rollout.config import DTYPE_BYTES, PatRolloutConfig
 from pat_rollout.engine.base import RunningInfo
 from pat_rollout.engine.ref.config import RefEngineConfig, check_request
 from pat_rollout.layout import Layout, model_shard_specs
+from pat_rollout.planner.balance import assign_new
 from pat_rollout.types import Request, RequestOutput
 from pat_rollout.workers.metrics import StageMetrics
 from pat_rollout.workers.pat_planner import build_planner, cluster_state, handoff_cost, load_profile, prompt_key
@@ -221,9 +222,7 @@ class RolloutDriver:
         for r in self._assignment.values():
             load[r] += 1
         per_replica: dict[int, list[Request]] = {}
-        for req, fut in new:
-            r = min(range(len(load)), key=lambda i: (load[i], i))
-            load[r] += 1
+        for (req, fut), r in zip(new, assign_new(load, [1] * len(new))):  # least-inflight, as verl's balancer
             per_replica.setdefault(r, []).append(req)
             self._assignment[req.request_id] = r
             self._futures[req.request_id] = fut

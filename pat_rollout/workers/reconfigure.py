@@ -19,6 +19,7 @@ from pat_rollout.kv.cost import HandoffCost, choose_handoff
 from pat_rollout.kv.plan import plan_kv
 from pat_rollout.layout import Layout
 from pat_rollout.layout.transition import plan_layout, plan_weights
+from pat_rollout.planner.balance import balance
 from pat_rollout.types import ModelSpec, RequestState
 
 if TYPE_CHECKING:
@@ -56,15 +57,10 @@ def handoff_method(mode: str, cost: HandoffCost | None, spec: ModelSpec, dtype_b
     return choose_handoff(num_cached_tokens, kv_bytes, dst_tp, "auto", cost=cost).method.value
 
 
-def balance(states: list[RequestState], num_replicas: int) -> dict[str, int]:
-    """Assign requests to replicas, longest context first onto the least-loaded replica."""
-    load = [0] * num_replicas
-    out: dict[str, int] = {}
-    for s in sorted(states, key=lambda s: (-s.num_tokens, s.request_id)):
-        r = min(range(num_replicas), key=lambda i: (load[i], i))
-        out[s.request_id] = r
-        load[r] += s.num_tokens
-    return out
+def balance_states(states: list[RequestState], num_replicas: int) -> dict[str, int]:
+    """Assign requests to replicas with the shared balancing rule (planner.balance), load = context tokens."""
+    replicas = balance([s.num_tokens for s in states], num_replicas)
+    return {s.request_id: r for s, r in zip(states, replicas)}
 
 
 class Reconfigurer:
@@ -94,7 +90,7 @@ class Reconfigurer:
         states = _unique_states(src, per_device)
         result.phase_s["export"] = time.perf_counter() - t
         try:
-            assignment = balance(states, dst.num_replicas)
+            assignment = balance_states(states, dst.num_replicas)
             migrated, recomputed = [], []
             for s in states:
                 (migrated if self._method(s, dst) == "migrate" else recomputed).append(s)
@@ -139,7 +135,7 @@ class Reconfigurer:
     def _rollback(self, states: list[RequestState]) -> None:
         devices = range(self.group.num_devices)
         self.group.call(devices, "rollback", self.base, what="rollback")
-        assignment = balance(states, self.base.num_replicas)
+        assignment = balance_states(states, self.base.num_replicas)
         self._import(self.base, states, assignment, set(), what="rollback import")
         self.last_rollback_assignment = assignment
 
