@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+import numbers
 from dataclasses import dataclass, field
 
 
@@ -104,6 +106,11 @@ class ModelSpec:
         )
 
 
+def _is_int(value: object) -> bool:
+    """An integer (Python or numpy), not a bool and not a float that happens to be whole."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class SamplingParams:
     """Per-request sampling. temperature == 0 means greedy. `seed` makes sampling reproducible
@@ -118,6 +125,18 @@ class SamplingParams:
     ignore_eos: bool = False
 
     def __post_init__(self) -> None:
+        # Types first: NaN passes every comparison below and 2.5 tokens would silently round up.
+        for name in ("max_new_tokens", "top_k", "seed"):
+            if not _is_int(getattr(self, name)):
+                raise ValueError(f"{name}={getattr(self, name)!r} must be an integer")
+        for name in ("temperature", "top_p"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+                raise ValueError(f"{name}={value!r} must be a finite number")
+        if not isinstance(self.ignore_eos, bool):
+            raise ValueError(f"ignore_eos={self.ignore_eos!r} must be a bool")
+        if bad := [t for t in self.stop_token_ids if not _is_int(t) or t < 0]:
+            raise ValueError(f"stop_token_ids={self.stop_token_ids!r}: {bad} are not non-negative integers")
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens={self.max_new_tokens} must be >= 1")
         if self.temperature < 0:

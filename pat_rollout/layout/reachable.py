@@ -8,7 +8,7 @@ from pat_rollout.layout.layout import Layout
 
 
 def reachable_layouts(initial: Layout, tp_sizes: Iterable[int]) -> list[Layout]:
-    """Layouts reachable from `initial` by `plan_layout` transitions between `tp_sizes`, in a
+    """Layouts reachable from `initial` by `plan_layout(..., base=initial)` transitions between `tp_sizes`, in a
     deterministic order (breadth first, TP ascending). Since plan_layout is deterministic, these are
     exactly the concrete groups a run can switch to."""
     from pat_rollout.layout.transition import plan_layout
@@ -22,7 +22,7 @@ def reachable_layouts(initial: Layout, tp_sizes: Iterable[int]) -> list[Layout]:
             for tp in sizes:
                 if tp == layout.tp_size:
                     continue
-                cand = plan_layout(layout, tp)
+                cand = plan_layout(layout, tp, base=initial)
                 if cand not in seen:
                     seen.append(cand)
                     nxt.append(cand)

@@ -21,8 +21,12 @@ from pat_rollout.layout.layout import Layout
 from pat_rollout.layout.shard import Interval, ShardSpec, shard_intervals
 
 
-def plan_layout(src: Layout, dst_tp: int) -> Layout:
+def plan_layout(src: Layout, dst_tp: int, base: Layout | None = None) -> Layout:
     """Groups and TP-rank order for moving `src` to a uniform TP size `dst_tp` on the same devices.
+
+    With `base` (the pool's start layout) and dst_tp == base.tp_size the answer is `base` itself: the
+    shrink rule below can land on the base groups in another replica or rank order (4 devices 1 -> 2 -> 4
+    -> 1 gives [[0],[2],[1],[3]]), and weight updates, rollback and stage starts all need the base exactly.
 
     Grow by k (dst_tp = k * tp): merge consecutive runs of k groups; old rank r of the j-th group gets
     new rank r*k + j (zero bytes move). Shrink by k (tp = k * dst_tp): split each group; old rank r goes
@@ -35,6 +39,10 @@ def plan_layout(src: Layout, dst_tp: int) -> Layout:
     num_devices, tp = len(src.devices), src.tp_size
     if dst_tp <= 0 or num_devices % dst_tp:
         raise ValueError(f"dst_tp={dst_tp} must be positive and divide num_devices={num_devices} (src {src})")
+    if base is not None and dst_tp == base.tp_size:
+        if base.devices != src.devices:
+            raise ValueError(f"base {base} covers devices {base.devices}, src {src} covers {src.devices}")
+        return base
     if dst_tp == tp:
         return src
     if dst_tp % tp == 0:
