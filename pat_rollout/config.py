@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,6 +27,11 @@ class PatRolloutConfig:
     - planner: options for pat_rollout.planner's PlannerConfig (validated there).
     - engine_args: extra SGLang ServerArgs for backend="sglang" (e.g. mem_fraction_static, enable_memory_saver);
       from verl, gpu_memory_utilization and free_cache_engine fill these.
+    - comm_timeout_s: torch.distributed timeout of every collective and transfer between devices, so a peer
+      blocked on a failed device errors out instead of waiting forever.
+    - rpc_timeout_s, rpc_timeout_per_token_s: every RPC the driver waits on has the deadline
+      comm_timeout_s + rpc_timeout_s + tokens of work x rpc_timeout_per_token_s (the floor lets a blocked
+      transfer fail on the device first); a device that misses it marks the pool broken.
     """
 
     model_path: str
@@ -44,6 +50,9 @@ class PatRolloutConfig:
     planner: dict[str, Any] = field(default_factory=dict)
     seed: int = 0
     engine_args: dict[str, Any] = field(default_factory=dict)
+    comm_timeout_s: float = 120.0
+    rpc_timeout_s: float = 60.0
+    rpc_timeout_per_token_s: float = 0.05
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
@@ -67,6 +76,15 @@ class PatRolloutConfig:
         for name in ("block_size", "num_kv_blocks", "max_num_seqs", "steps_per_poll"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
+        for name in ("comm_timeout_s", "rpc_timeout_s", "rpc_timeout_per_token_s"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+                    or value <= 0:
+                raise ValueError(f"{name}={value!r} must be a finite number > 0")
+
+    def rpc_deadline_s(self, work_tokens: int = 0) -> float:
+        """Seconds the driver waits for one RPC that processes `work_tokens` tokens (see the class doc)."""
+        return self.comm_timeout_s + self.rpc_timeout_s + work_tokens * self.rpc_timeout_per_token_s
 
     @property
     def tp_sizes(self) -> tuple[int, ...]:

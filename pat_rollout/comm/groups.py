@@ -34,6 +34,7 @@ class GroupCache:
     """All TP groups of a set of layouts. `get` never creates: a miss is a planning bug."""
 
     backend: str
+    timeout: Any = None  # datetime.timedelta for every group's collectives (None: torch's default)
     generation: int = 0
     _groups: dict[frozenset[int], GroupHandle] = field(default_factory=dict)
     num_created: int = 0
@@ -48,7 +49,8 @@ class GroupCache:
                 continue
             ranks = tuple(sorted(devices))
             # Every rank must call new_group for every group, members or not (torch requirement).
-            pg = dist.new_group(ranks=list(ranks), backend=self.backend) if len(ranks) > 1 else None
+            pg = dist.new_group(ranks=list(ranks), backend=self.backend, timeout=self.timeout) if len(ranks) > 1 \
+                else None
             member = dist.get_rank() in devices
             self._groups[devices] = GroupHandle(ranks, self.backend, pg if member else None, self.generation)
             self.num_created += 1

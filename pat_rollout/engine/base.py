@@ -80,9 +80,11 @@ class Engine(ABC):
         """Release the KV blocks of exported requests."""
 
     @abstractmethod
-    def import_requests(self, states: Iterable[RequestState], kv: dict[str, torch.Tensor] | None = None) -> None:
+    def import_requests(self, states: Iterable[RequestState],
+                        kv: dict[str, torch.Tensor] | None = None) -> list[str] | None:
         """Continue requests. With `kv[request_id]` ([num_layers, 2, tokens, local_kv_heads, head_dim])
-        their cache is written directly (migration); otherwise the cached prefix is recomputed."""
+        their cache is written directly (migration); otherwise the cached prefix is recomputed. Returns
+        the ids given KV that the engine recomputed anyway (None: the engine does not report it)."""
 
     @abstractmethod
     def abort_all(self) -> list[RequestOutput]:

@@ -9,6 +9,7 @@ reconfigure TP while it runs.
 from __future__ import annotations
 
 import concurrent.futures as cf
+import contextlib
 import logging
 import threading
 import time
@@ -21,19 +22,32 @@ from pat_rollout.engine.ref.config import RefEngineConfig, check_request
 from pat_rollout.layout import Layout, model_shard_specs
 from pat_rollout.planner.balance import assign_new
 from pat_rollout.types import Request, RequestOutput
+from pat_rollout.workers.errors import PoolBrokenError, WorkerError
 from pat_rollout.workers.metrics import StageMetrics
-from pat_rollout.workers.pat_planner import build_planner, cluster_state, handoff_cost, load_profile, prompt_key
-from pat_rollout.workers.pool import Pool, RefPool, WorkerError
+from pat_rollout.workers.pat_planner import (
+    build_planner,
+    cluster_state,
+    handoff_cost,
+    load_profile,
+    planner_config,
+    prompt_key,
+)
+from pat_rollout.workers.pool import Pool, RefPool
 from pat_rollout.workers.reconfigure import ReconfigurationError, Reconfigurer
 
 logger = logging.getLogger(__name__)
 
 
 class RolloutDriver:
-    """A PAT rollout pool of `config.num_devices` devices. Thread-safe `submit`; blocking `generate`."""
+    """A PAT rollout pool of `config.num_devices` devices. Thread-safe `submit`; blocking `generate`.
+
+    Reliability: every RPC has a deadline (config.rpc_deadline_s), every request's future resolves (a
+    result, or an error naming the phase and devices), a pool that cannot serve any more is marked broken
+    and every call then raises at once, and after `shutdown()` every call raises at once."""
 
     def __init__(self, config: PatRolloutConfig, *, num_cpus_per_worker: float = 1) -> None:
         self.config = config
+        planner_config(config)  # unknown planner options fail under every policy, before any actor starts
         self.base = Layout.uniform(config.num_devices, config.initial_tp)
         if config.backend == "reference":
             # The engine's own config validates the checkpoint, so the pool fails before starting any actor.
@@ -56,10 +70,14 @@ class RolloutDriver:
             from pat_rollout.workers.group import WorkerGroup  # Ray: only the reference backend's actors need it
 
             group = WorkerGroup(num_cpus_per_worker=num_cpus_per_worker, world_size=config.num_devices,
-                                engine=self.engine_config, initial_layout=self.base, tp_sizes=config.tp_sizes)
+                                engine=self.engine_config, initial_layout=self.base, tp_sizes=config.tp_sizes,
+                                comm_timeout_s=config.comm_timeout_s, default_timeout_s=config.rpc_deadline_s())
             reconfigurer = Reconfigurer(group, self.spec, model_shard_specs(self.spec, config.max_tp), self.base,
-                                        handoff=config.kv_handoff, cost=cost, dtype_bytes=DTYPE_BYTES[config.dtype])
-            self.pool: Pool = RefPool(group, reconfigurer, self.base)
+                                        handoff=config.kv_handoff, cost=cost, dtype_bytes=DTYPE_BYTES[config.dtype],
+                                        deadline=config.rpc_deadline_s)
+            self.pool: Pool = RefPool(group, reconfigurer, self.base, deadline=config.rpc_deadline_s,
+                                      max_num_seqs=config.max_num_seqs,
+                                      kv_capacity_tokens=config.num_kv_blocks * config.block_size)
         else:
             from pat_rollout.sglang.pool import SglPool
 
@@ -80,6 +98,8 @@ class RolloutDriver:
         self._aborted: list[RequestOutput] = []
         self.last_reconfig = None  # ReconfigResult of the latest switch
         self._stop = False
+        self._broken: str | None = None  # why the pool cannot serve any more
+        self._released: set[str] = set()  # release() tags not resumed yet
         self._thread = threading.Thread(target=self._loop, name="pat-driver", daemon=True)
         self._thread.start()
 
@@ -91,24 +111,37 @@ class RolloutDriver:
     def submit(self, request: Request) -> cf.Future:
         """Queue `request`; the future resolves to its RequestOutput. Requests that can never run
         (too long, token ids outside the vocab, more KV than a device holds) raise ValueError here."""
-        if self.engine_config is not None:
-            check_request(request.request_id, request.prompt_token_ids, request.sampling.max_new_tokens, self.spec,
-                          self.engine_config)
-        else:
-            self.pool.check_request(request)
-        fut: cf.Future = cf.Future()
+        return self.submit_many([request])[0]
+
+    def submit_many(self, requests: Iterable[Request]) -> list[cf.Future]:
+        """Queue a batch atomically: every request is validated (including duplicate ids in the batch
+        and against requests in flight) before any starts, so a bad one rejects the whole batch."""
+        requests = list(requests)
+        self._check_usable()
+        if "kv_cache" in self._released:
+            raise RuntimeError("the KV cache is released; call resume(['kv_cache']) before submitting requests")
+        for request in requests:
+            if self.engine_config is not None:
+                check_request(request.request_id, request.prompt_token_ids, request.sampling.max_new_tokens,
+                              self.spec, self.engine_config)
+            else:
+                self.pool.check_request(request)
+        ids = [r.request_id for r in requests]
+        if repeated := sorted({i for i in ids if ids.count(i) > 1}):
+            raise ValueError(f"request_id(s) {repeated} repeated in one batch; nothing was submitted")
+        futures = [cf.Future() for _ in requests]
         with self._lock:
-            if self._stop:
-                raise RuntimeError("RolloutDriver is shut down")
-            if request.request_id in self._futures or any(r.request_id == request.request_id for r, _ in self._inbox):
-                raise ValueError(f"request_id {request.request_id!r} is already in flight")
-            self._inbox.append((request, fut))
+            self._check_usable()
+            live = set(self._futures) | {r.request_id for r, _ in self._inbox}
+            if busy := sorted(set(ids) & live):
+                raise ValueError(f"request_id(s) {busy} already in flight; nothing was submitted")
+            self._inbox.extend(zip(requests, futures))
             self._lock.notify_all()
-        return fut
+        return futures
 
     def generate(self, requests: Iterable[Request], timeout: float | None = None) -> list[RequestOutput]:
-        futures = [self.submit(r) for r in requests]
-        return [f.result(timeout=timeout) for f in futures]
+        """Run a batch to completion (validated whole first, see `submit_many`)."""
+        return [f.result(timeout=timeout) for f in self.submit_many(requests)]
 
     def reconfigure(self, tp: int) -> None:
         """Switch layout now (between polls). Mostly for tests and demos; the planner calls it itself."""
@@ -116,6 +149,7 @@ class RolloutDriver:
             raise ValueError(f"tp={tp} is not one of this pool's TP sizes {self.config.tp_sizes} "
                              f"(policy={self.config.policy!r}); their groups are built at start-up")
         with self._lock:
+            self._check_usable()
             self._manual_tp = tp
             self._lock.notify_all()
         while True:
@@ -124,6 +158,9 @@ class RolloutDriver:
                     err = self._manual_err
                     self._manual_err = None
                     break
+                if self._stop or not self._thread.is_alive():
+                    self._manual_tp = None
+                    raise RuntimeError("RolloutDriver was shut down while reconfigure() waited")
             time.sleep(0.005)
         if err is not None:
             raise err
@@ -131,17 +168,26 @@ class RolloutDriver:
     def update_weights(self, named_tensors: Iterable[tuple[str, Any]]) -> None:
         """Load new full weights on every device; the pool returns to its base layout first."""
         self._wait_idle()
-        self._to_base()
-        self.pool.update_weights(list(named_tensors))
+        with self._guard():
+            self._to_base()
+            self.pool.update_weights(list(named_tensors))
 
     def release(self, tags: Iterable[str] = ("weights", "kv_cache")) -> None:
+        tags = list(tags)
         self._wait_idle()
-        self.pool.release(list(tags))
+        with self._guard():
+            self.pool.release(tags)
+        self._released |= set(tags)
 
     def resume(self, tags: Iterable[str] = ("weights", "kv_cache")) -> None:
-        self.pool.resume(list(tags))
+        tags = list(tags)
+        self._check_usable()
+        with self._guard():
+            self.pool.resume(tags)
+        self._released -= set(tags)
 
     def abort_all(self) -> list[RequestOutput]:
+        self._check_usable()
         with self._lock:
             self._abort = True
             self._lock.notify_all()
@@ -153,19 +199,54 @@ class RolloutDriver:
         return stage.as_dict() if stage else {}
 
     def worker_info(self) -> list[dict[str, Any]]:
+        self._check_usable()
         return self.pool.info()
 
+    @property
+    def broken(self) -> str | None:
+        """Why the pool cannot serve any more, or None while it can."""
+        return self._broken
+
     def shutdown(self) -> None:
+        """Stop the loop, fail every request still in flight and stop the devices. Idempotent."""
         with self._lock:
+            if self._stop:
+                return
             self._stop = True
             self._lock.notify_all()
-        self._thread.join(timeout=30)
+        self._thread.join(timeout=self.config.rpc_deadline_s())  # it finishes at most the RPC in progress
+        with self._lock:
+            pending = [fut for _, fut in self._inbox] + list(self._futures.values())
+            self._inbox.clear()
+            self._futures.clear()
+        error = RuntimeError(f"RolloutDriver was shut down with {len(pending)} requests in flight")
+        for fut in pending:
+            if not fut.done():
+                fut.set_exception(error)
         self.pool.shutdown()
 
     # ---- background loop --------------------------------------------------------------------------
+    def _check_usable(self) -> None:
+        if self._stop:
+            raise RuntimeError("RolloutDriver is shut down")
+        if self._broken is not None:
+            raise PoolBrokenError(f"the PAT rollout pool is broken: {self._broken}")
+
+    @contextlib.contextmanager
+    def _guard(self):
+        """Mark the pool broken when a call made outside the loop (weights, release) finds it unusable."""
+        self._check_usable()
+        try:
+            yield
+        except (PoolBrokenError, WorkerError) as e:
+            if isinstance(e, PoolBrokenError) or e.unresponsive:
+                self._broken = str(e)
+            raise
+
     def _wait_idle(self) -> None:
         while True:
             with self._lock:
+                self._check_usable()
                 if not self._inbox and not self._futures and not self._abort:
                     return
             time.sleep(0.01)
@@ -188,12 +269,15 @@ class RolloutDriver:
                 if new and not self._futures:
                     self._start_stage()
                 self._dispatch(new)
+                new = []
                 if self._futures:
                     self._poll()
                 if not self._futures and self._stage is not None:
                     self._end_stage()
             except Exception as e:  # a dead actor or a bug: fail every in-flight request loudly
                 logger.exception("PAT driver loop failed")
+                for req, fut in new:  # taken from the inbox but never dispatched
+                    self._futures.setdefault(req.request_id, fut)
                 self._fail_all(e)
 
     def _start_stage(self) -> None:
@@ -239,6 +323,7 @@ class RolloutDriver:
         for r in busy:
             step, snap = results[r]
             self._stage.num_decode_tokens += step.num_decode_tokens
+            self._stage.num_prefill_tokens += step.num_prefill_tokens
             done.extend(self._finish(out) for out in step.finished)
             for info in snap.running:
                 self._progress[info.request_id] = info
@@ -280,6 +365,7 @@ class RolloutDriver:
             self._apply_reconfigure(decision.target_tp)
         except ReconfigurationError as e:  # rolled back, requests kept: keep generating
             logger.error("%s", e)
+            self.planner.cancel(decision)  # hysteresis and the per-stage cap count only switches that happened
 
     def _apply_reconfigure(self, tp: int) -> None:
         try:
@@ -294,6 +380,8 @@ class RolloutDriver:
         self._stage.num_reconfigs += 1
         self._stage.num_migrated += len(result.migrated)
         self._stage.num_recomputed += len(result.recomputed)
+        self._stage.num_import_fallbacks += len(result.import_fallbacks)
+        self._stage.kv_bytes_received += result.kv_bytes_received
         for phase, s in result.phase_s.items():
             self._stage.add_phase(phase, s)
         self._stage.last_switch_s = time.perf_counter()
@@ -308,8 +396,11 @@ class RolloutDriver:
             if self._stage is None:
                 self._stage = StageMetrics()
             self._apply_reconfigure(tp)
-        except Exception as e:
+        except ReconfigurationError as e:  # rolled back, every request kept
             err = e
+        except Exception as e:  # requests may be lost: fail them all (and maybe mark the pool broken)
+            err = e
+            self._fail_all(e)
         finally:
             with self._lock:
                 self._manual_err = err
@@ -333,14 +424,26 @@ class RolloutDriver:
             self._abort = False
 
     def _fail_all(self, error: Exception) -> None:
+        """Fail every request in flight with `error`, then abort the engines' copies so the same ids can be
+        resubmitted; if the devices cannot even do that, mark the pool broken."""
         pending = sorted(self._futures)
         msg = f"PAT rollout failed with {len(pending)} requests in flight ({pending[:8]}...): {error}"
         if isinstance(error, WorkerError):
             msg += f"; dead/failed devices: {list(error.devices)}"
+        if isinstance(error, PoolBrokenError) or (isinstance(error, WorkerError) and error.unresponsive):
+            self._broken = str(error)
+        elif pending:
+            try:
+                self.pool.abort_all()
+            except Exception as e:
+                logger.exception("aborting the failed requests in the engines failed")
+                self._broken = f"{error}; then aborting the failed requests failed: {e}"
+        if self._broken is not None:
+            msg += "; the pool is broken and refuses new requests"
         for rid in pending:
             fut = self._futures.pop(rid)
             if not fut.done():
-                fut.set_exception(RuntimeError(msg))
+                fut.set_exception(PoolBrokenError(msg) if self._broken is not None else RuntimeError(msg))
         self._assignment.clear()
         self._progress.clear()
         self._requests.clear()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import socket
+import time
 import uuid
 from collections.abc import Sequence
 from typing import Any
@@ -28,12 +29,13 @@ class WorkerGroup:
     """`num_devices` ShardWorker actors joined in one torch.distributed world (gloo on CPU)."""
 
     def __init__(self, inits: Sequence[WorkerInit] | None = None, *, num_cpus_per_worker: float = 1,
-                 start_timeout_s: float = 300, **init_kwargs: Any) -> None:
+                 start_timeout_s: float = 300, default_timeout_s: float = 300, **init_kwargs: Any) -> None:
+        self.default_timeout_s = default_timeout_s
         if not ray.is_initialized():
             ray.init(include_dashboard=False, log_to_driver=False)
         if inits is None:
             world = init_kwargs.pop("world_size")
-            method = f"tcp://127.0.0.1:{_free_port()}"
+            method = self.new_init_method()
             inits = [WorkerInit(device=d, world_size=world, init_method=method, **init_kwargs) for d in range(world)]
         self.num_devices = len(inits)
         tag = uuid.uuid4().hex[:6]
@@ -50,18 +52,38 @@ class WorkerGroup:
 
     def call_each(self, calls: dict[int, tuple[str, tuple[Any, ...]]], *, timeout: float | None = None,
                   what: str = "call") -> list[Any]:
+        """Concurrent calls, results in the order of `calls`. Every call shares one deadline (`timeout`
+        seconds, default `default_timeout_s`: never unbounded). On failure every call is still waited for
+        (bounded), so no device is left running a phase behind the caller's back, and one WorkerError names
+        every failed device and the phase."""
+        timeout = self.default_timeout_s if timeout is None else timeout
+        deadline = time.monotonic() + timeout
         refs = {d: getattr(self.actors[d], m).remote(*a) for d, (m, a) in calls.items()}
-        out = []
+        out, errors, failed, unresponsive, first = [], [], [], [], None
         for d, ref in refs.items():
             try:
-                out.append(ray.get(ref, timeout=timeout))
+                out.append(ray.get(ref, timeout=max(0.0, deadline - time.monotonic())))
+                continue
             except ray.exceptions.RayActorError as e:
-                raise WorkerError(f"device {d}'s actor died during {what}: {e}", [d]) from e
+                errors.append(f"device {d}'s actor died during {what}: {e}")
+                unresponsive.append(d)
             except ray.exceptions.GetTimeoutError as e:
-                raise WorkerError(f"device {d} did not answer {what} within {timeout} s", [d]) from e
+                errors.append(f"device {d} did not answer {what} within {timeout:.1f} s")
+                unresponsive.append(d)
+                first = first or e
             except ray.exceptions.RayTaskError as e:
-                raise WorkerError(f"device {d} failed in {what}: {e.cause!r}", [d]) from e.cause
+                errors.append(f"device {d} failed in {what}: {e.cause!r}")
+                first = first or e.cause
+            failed.append(d)
+            out.append(None)
+        if errors:
+            raise WorkerError("; ".join(errors), failed, unresponsive=bool(unresponsive)) from first
         return out
+
+    @staticmethod
+    def new_init_method() -> str:
+        """A fresh torch.distributed rendezvous (the actors run on this host)."""
+        return f"tcp://127.0.0.1:{_free_port()}"
 
     def kill(self, device: int) -> None:
         """Kill one actor (tests of dead-actor handling)."""

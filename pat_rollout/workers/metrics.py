@@ -15,6 +15,9 @@ class StageMetrics:
     num_migrated: int = 0
     num_recomputed: int = 0
     num_decode_tokens: int = 0
+    num_prefill_tokens: int = 0  # as the engines report it: prompts plus any recomputation
+    num_import_fallbacks: int = 0  # migrations an engine recomputed anyway (no free KV blocks)
+    kv_bytes_received: int = 0
     num_polls: int = 0
     phase_s: dict[str, float] = field(default_factory=dict)
     layouts: list[tuple[float, str]] = field(default_factory=list)
@@ -40,6 +43,9 @@ class StageMetrics:
             f"{prefix}/num_migrated": self.num_migrated,
             f"{prefix}/num_recomputed": self.num_recomputed,
             f"{prefix}/decode_tokens": self.num_decode_tokens,
+            f"{prefix}/prefill_tokens": self.num_prefill_tokens,
+            f"{prefix}/num_import_fallbacks": self.num_import_fallbacks,
+            f"{prefix}/kv_bytes_received": self.kv_bytes_received,
             f"{prefix}/response_length_min": min(lengths),
             f"{prefix}/response_length_mean": sum(lengths) / len(lengths),
             f"{prefix}/response_length_max": max(lengths),

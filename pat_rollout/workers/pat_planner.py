@@ -38,11 +38,17 @@ def build_planner(config: PatRolloutConfig, spec: ModelSpec, model: LatencyModel
     if missing:
         raise ValueError(f"profile {model.meta.get('model')!r} has no decode points for TP sizes {missing}; "
                          f"it covers {list(model.tps)}")
+    return Planner(model, planner_config(config))
+
+
+def planner_config(config: PatRolloutConfig) -> PlannerConfig:
+    """config.planner as a validated PlannerConfig. The driver checks it under every policy, so a typo
+    fails as loudly under policy='static' as under 'pat'."""
     allowed = {f.name for f in dataclasses.fields(PlannerConfig)} - {"candidate_tps"}
     unknown = sorted(set(config.planner) - allowed)
     if unknown:
-        raise ValueError(f"unknown planner option(s) {unknown}; allowed: {sorted(allowed)}")
-    return Planner(model, PlannerConfig(candidate_tps=config.tp_sizes, **config.planner))
+        raise ValueError(f"unknown planner option(s) {unknown} (policy={config.policy!r}); allowed: {sorted(allowed)}")
+    return PlannerConfig(candidate_tps=config.tp_sizes, **config.planner)
 
 
 def handoff_cost(model: LatencyModel) -> HandoffCost:

@@ -8,21 +8,16 @@ scheduler processes (`pat_rollout.sglang.pool.SglPool`). Both reuse layout/, res
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from pat_rollout.engine.base import EngineSnapshot, StepResult
 from pat_rollout.layout import Layout
 from pat_rollout.types import Request, RequestOutput
+from pat_rollout.workers.errors import PoolBrokenError, WorkerError
 from pat_rollout.workers.reconfigure import ReconfigResult
 
-
-class WorkerError(RuntimeError):
-    """A call to a device failed; `devices` names the devices involved."""
-
-    def __init__(self, message: str, devices: Sequence[int]) -> None:
-        super().__init__(message)
-        self.devices = tuple(devices)
+__all__ = ["Pool", "PoolBrokenError", "RefPool", "WorkerError"]
 
 
 class Pool(ABC):
@@ -69,22 +64,38 @@ class Pool(ABC):
 
 
 class RefPool(Pool):
-    """The reference engine: one Ray `ShardWorker` actor per device, reconfigured by the `Reconfigurer`."""
+    """The reference engine: one Ray `ShardWorker` actor per device, reconfigured by the `Reconfigurer`.
+    Every call has a deadline `deadline(tokens)` from the tokens it may process (prefill + decode)."""
 
-    def __init__(self, group: Any, reconfigurer: Any, base: Layout) -> None:
+    def __init__(self, group: Any, reconfigurer: Any, base: Layout, *,
+                 deadline: Callable[[int], float] | None = None, max_num_seqs: int = 256,
+                 kv_capacity_tokens: int = 0) -> None:
         self.group = group  # workers.group.WorkerGroup
         self.reconfigurer = reconfigurer
         self.num_devices = group.num_devices
         self.base = self.layout = base
+        self.deadline = deadline or (lambda tokens: group.default_timeout_s)
+        self.max_num_seqs = max_num_seqs
+        self.kv_capacity_tokens = kv_capacity_tokens  # per device: bounds what a re-import recomputes
+        self._prefill_tokens = 0  # tokens the next step may have to prefill (new and re-imported requests)
+        self._comm_suspect = False  # a failed step may have left a peer's collective timed out
 
     def add_requests(self, per_replica: dict[int, list[Request]]) -> None:
         calls = {d: ("add_requests", (reqs,)) for r, reqs in per_replica.items() for d in self.layout.groups[r]}
-        self.group.call_each(calls, what="add_requests")
+        self._prefill_tokens += sum(len(q.prompt_token_ids) for reqs in per_replica.values() for q in reqs)
+        self.group.call_each(calls, what="add_requests", timeout=self.deadline(0))
 
     def step(self, replicas: Iterable[int], num_steps: int) -> dict[int, tuple[StepResult, EngineSnapshot]]:
         replicas = list(replicas)
         devices = [d for r in replicas for d in self.layout.groups[r]]
-        results = dict(zip(devices, self.group.call(devices, "step", num_steps, what="decode step")))
+        work = self._prefill_tokens + num_steps * self.max_num_seqs
+        try:
+            out = self.group.call(devices, "step", num_steps, what="decode step", timeout=self.deadline(work))
+        except WorkerError:
+            self._comm_suspect = True
+            raise
+        self._prefill_tokens = 0
+        results = dict(zip(devices, out))
         return {r: results[self.layout.groups[r][0]] for r in replicas}  # every TP rank returns the same
 
     def reconfigure(self, dst_tp: int, assignment: dict[str, int]) -> ReconfigResult:
@@ -92,28 +103,35 @@ class RefPool(Pool):
 
         try:
             result = self.reconfigurer.run(self.layout, dst_tp, assignment)
-        except ReconfigurationError as e:
+        except ReconfigurationError:
             self.layout = self.base
-            e.assignment = dict(self.reconfigurer.last_rollback_assignment)
+            self._prefill_tokens += self.kv_capacity_tokens  # re-imported requests recompute their context
             raise
         self.layout = result.dst
+        self._prefill_tokens += self.kv_capacity_tokens
         return result
 
     def abort_all(self) -> list[RequestOutput]:
-        per_device = self.group.call(range(self.num_devices), "abort_all", what="abort")
+        per_device = self.group.call(range(self.num_devices), "abort_all", what="abort", timeout=self.deadline(0))
+        if self._comm_suspect:  # after a failed step: fresh communicators, so the next steps do not inherit it
+            self.group.call(range(self.num_devices), "rebuild_comm", self.group.new_init_method(),
+                            what="rebuilding process groups", timeout=self.deadline(0))
+            self._comm_suspect = False
+        self._prefill_tokens = 0
         return [out for group in self.layout.groups for out in per_device[group[0]]]
 
     def update_weights(self, named_tensors: list[tuple[str, Any]]) -> None:
-        self.group.call(range(self.num_devices), "update_weights", named_tensors, what="update_weights")
+        self.group.call(range(self.num_devices), "update_weights", named_tensors, what="update_weights",
+                        timeout=self.deadline(0))
 
     def release(self, tags: list[str]) -> None:
-        self.group.call(range(self.num_devices), "release", tags, what="release")
+        self.group.call(range(self.num_devices), "release", tags, what="release", timeout=self.deadline(0))
 
     def resume(self, tags: list[str]) -> None:
-        self.group.call(range(self.num_devices), "resume", tags, what="resume")
+        self.group.call(range(self.num_devices), "resume", tags, what="resume", timeout=self.deadline(0))
 
     def info(self) -> list[dict[str, Any]]:
-        return self.group.call(range(self.num_devices), "info")
+        return self.group.call(range(self.num_devices), "info", timeout=self.deadline(0))
 
     def shutdown(self) -> None:
         self.group.shutdown()

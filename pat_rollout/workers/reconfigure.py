@@ -3,24 +3,27 @@
     pause -> plan -> export -> KV hand-off -> reshard -> switch groups -> import (resume)
 
 Generation is paused simply by not issuing steps. Each phase is one concurrent RPC to every device,
-timed and logged. Until `reshard` nothing destructive has happened; any failure rolls back to the
-base layout (weights restored from each device's host backup) and re-imports every exported request
-for recomputation, so no request is lost, then raises ReconfigurationError.
+with a deadline, timed and logged. A failure in any phase on any device rolls back to the base layout
+(weights restored from each device's host backup, process groups rebuilt after a failed transfer) and
+re-imports every unfinished request for recomputation, so no request is lost, then raises
+ReconfigurationError; where that cannot be done (a device died or hung) it raises PoolBrokenError.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NoReturn
 
 from pat_rollout.kv.cost import HandoffCost, choose_handoff
 from pat_rollout.kv.plan import plan_kv
 from pat_rollout.layout import Layout
-from pat_rollout.layout.transition import plan_layout, plan_weights
+from pat_rollout.layout.transition import PlanCache, plan_layout
 from pat_rollout.planner.balance import balance
 from pat_rollout.types import ModelSpec, RequestState
+from pat_rollout.workers.errors import PoolBrokenError, WorkerError
 
 if TYPE_CHECKING:
     from pat_rollout.workers.group import WorkerGroup
@@ -32,7 +35,9 @@ class ReconfigurationError(RuntimeError):
     """A reconfiguration failed; the pool was rolled back and no request was lost. `assignment`
     (request id -> replica of the base layout) says where each unfinished request runs now."""
 
-    assignment: dict[str, int] = {}
+    def __init__(self, message: str, assignment: dict[str, int] | None = None) -> None:
+        super().__init__(message)
+        self.assignment = dict(assignment or {})
 
 
 @dataclass(slots=True)
@@ -41,8 +46,10 @@ class ReconfigResult:
     dst: Layout
     phase_s: dict[str, float] = field(default_factory=dict)
     assignment: dict[str, int] = field(default_factory=dict)  # request id -> new replica
-    migrated: tuple[str, ...] = ()
-    recomputed: tuple[str, ...] = ()
+    migrated: tuple[str, ...] = ()  # resumed from handed-off KV, as the engines report it
+    recomputed: tuple[str, ...] = ()  # including migrations the engines fell back from (import_fallbacks)
+    import_fallbacks: tuple[str, ...] = ()
+    kv_bytes_received: int = 0  # KV bytes that crossed devices in the hand-off, summed over devices
     total_s: float = 0.0
 
 
@@ -63,11 +70,18 @@ def balance_states(states: list[RequestState], num_replicas: int) -> dict[str, i
     return {s.request_id: r for s, r in zip(states, replicas)}
 
 
+# Phases that move tensors between devices: a failure there may leave gloo pairs closed on a peer that
+# timed out waiting, so their rollback rebuilds every process group.
+TRANSFER_PHASES = ("KV hand-off", "reshard")
+
+
 class Reconfigurer:
-    """Runs layout transitions on a WorkerGroup. Holds the plan cache and the hand-off cost model."""
+    """Runs layout transitions on a WorkerGroup. Holds the plan cache and the hand-off cost model.
+    `deadline(tokens)` gives each phase's RPC deadline in seconds from the tokens it processes."""
 
     def __init__(self, group: WorkerGroup, spec: ModelSpec, shard_specs: dict, base: Layout, *,
-                 handoff: str = "auto", cost: HandoffCost | None = None, dtype_bytes: int = 4) -> None:
+                 handoff: str = "auto", cost: HandoffCost | None = None, dtype_bytes: int = 4,
+                 deadline: Callable[[int], float] | None = None) -> None:
         self.group = group
         self.spec = spec
         self.shard_specs = shard_specs
@@ -75,21 +89,27 @@ class Reconfigurer:
         self.handoff = handoff
         self.cost = cost
         self.dtype_bytes = dtype_bytes
+        self.deadline = deadline or (lambda tokens: group.default_timeout_s)
+        self.plans = PlanCache()
 
     def run(self, src: Layout, dst_tp: int, old_assignment: dict[str, int]) -> ReconfigResult:
+        """src -> TP `dst_tp`. Every phase sits in one rollback path: on any failure the pool returns to
+        the base layout with every unfinished request re-imported (ReconfigurationError), or, if that is
+        impossible (a device died or hung, or the rollback failed), PoolBrokenError."""
         devices = range(self.group.num_devices)
         t_start = time.perf_counter()
         self.spec.check_tp(dst_tp)
-        dst = plan_layout(src, dst_tp)
-        weight_plan = plan_weights(src, dst, self.shard_specs)
+        dst = plan_layout(src, dst_tp, base=self.base)
+        weight_plan = self.plans.get(src, dst, self.shard_specs)
         result = ReconfigResult(src=src, dst=dst)
         result.phase_s["plan"] = time.perf_counter() - t_start
-
-        t = time.perf_counter()
-        per_device = self.group.call(devices, "export_requests", what="export")
-        states = _unique_states(src, per_device)
-        result.phase_s["export"] = time.perf_counter() - t
+        states: list[RequestState] | None = None
+        phase = "export"
         try:
+            t = time.perf_counter()
+            per_device = self.group.call(devices, "export_requests", what=phase, timeout=self.deadline(0))
+            states = _unique_states(src, per_device)
+            result.phase_s["export"] = time.perf_counter() - t
             assignment = balance_states(states, dst.num_replicas)
             migrated, recomputed = [], []
             for s in states:
@@ -98,58 +118,87 @@ class Reconfigurer:
                       s.num_cached_tokens) for s in migrated]
             kv_transfers = plan_kv(moves, self.spec.num_kv_heads)
 
-            t = time.perf_counter()
-            self.group.call(devices, "handoff_kv", kv_transfers, what="KV hand-off")
+            phase, t = "KV hand-off", time.perf_counter()
+            self.group.call(devices, "handoff_kv", kv_transfers, what=phase,
+                            timeout=self.deadline(sum(s.num_cached_tokens for s in migrated)))
             result.phase_s["kv_handoff"] = time.perf_counter() - t
 
-            t = time.perf_counter()
-            self.group.call(devices, "reshard", weight_plan, what="reshard")
+            phase, t = "reshard", time.perf_counter()
+            self.group.call(devices, "reshard", weight_plan, what=phase, timeout=self.deadline(0))
             result.phase_s["reshard"] = time.perf_counter() - t
 
-            t = time.perf_counter()
-            self.group.call(devices, "switch", dst, what="group switch")
+            phase, t = "group switch", time.perf_counter()
+            self.group.call(devices, "switch", dst, what=phase, timeout=self.deadline(0))
             result.phase_s["switch"] = time.perf_counter() - t
 
-            t = time.perf_counter()
-            self._import(dst, states, assignment, {s.request_id for s in migrated}, what="import")
+            phase, t = "import", time.perf_counter()
+            reports = self._import(dst, states, assignment, {s.request_id for s in migrated}, what=phase)
             result.phase_s["import"] = time.perf_counter() - t
         except Exception as e:
-            self._rollback(states)
-            raise ReconfigurationError(
-                f"reconfiguration {src} -> TP{dst_tp} failed ({e}); rolled back to base layout {self.base}, "
-                f"{len(states)} unfinished requests re-imported for recomputation"
-            ) from e
+            self._fail(e, phase, src, dst_tp, states)
+        fallbacks = {rid for rep in reports for rid in rep["fallbacks"]}
         result.assignment = assignment
-        result.migrated = tuple(s.request_id for s in migrated)
-        result.recomputed = tuple(s.request_id for s in recomputed)
+        result.migrated = tuple(s.request_id for s in migrated if s.request_id not in fallbacks)
+        result.recomputed = tuple(s.request_id for s in states if s.request_id not in result.migrated)
+        result.import_fallbacks = tuple(sorted(fallbacks))
+        result.kv_bytes_received = sum(rep["kv_bytes_received"] for rep in reports)
         result.total_s = time.perf_counter() - t_start
-        logger.info("reconfigured %s -> %s in %.3f s: %s; %d migrated, %d recomputed", src, dst,
-                    result.total_s, {k: round(v, 4) for k, v in result.phase_s.items()},
-                    len(result.migrated), len(result.recomputed))
+        logger.info("reconfigured %s -> %s in %.3f s: %s; %d migrated, %d recomputed (%d fallbacks), %d KV bytes",
+                    src, dst, result.total_s, {k: round(v, 4) for k, v in result.phase_s.items()},
+                    len(result.migrated), len(result.recomputed), len(fallbacks), result.kv_bytes_received)
         return result
+
+    def _fail(self, error: Exception, phase: str, src: Layout, dst_tp: int,
+              states: list[RequestState] | None) -> NoReturn:
+        what = f"reconfiguration {src} -> TP{dst_tp} failed in {phase}"
+        if isinstance(error, WorkerError) and error.unresponsive:  # its calls queue behind the hung one
+            raise PoolBrokenError(f"{what}: {error}; devices {list(error.devices)} are dead or hung, "
+                                  f"so the pool cannot roll back and is broken") from error
+        try:
+            states, assignment = self._rollback(states, rebuild_comm=phase in TRANSFER_PHASES)
+        except Exception as e2:
+            raise PoolBrokenError(f"{what} ({error}), and rolling back to the base layout {self.base} failed "
+                                  f"({e2}); the pool is broken") from e2
+        raise ReconfigurationError(
+            f"{what} ({error}); rolled back to base layout {self.base}, {len(states)} unfinished requests "
+            f"re-imported for recomputation", assignment) from error
 
     def _method(self, state: RequestState, dst: Layout) -> str:
         return handoff_method(self.handoff, self.cost, self.spec, self.dtype_bytes, state.num_cached_tokens,
                               dst.tp_size)
 
-    def _rollback(self, states: list[RequestState]) -> None:
+    def _rollback(self, states: list[RequestState] | None, *,
+                  rebuild_comm: bool) -> tuple[list[RequestState], dict[str, int]]:
+        """Every device back to the base layout; `states` (None: the export did not complete, so take what
+        the devices say they held) re-imported for recomputation. Returns the states and their replicas."""
         devices = range(self.group.num_devices)
-        self.group.call(devices, "rollback", self.base, what="rollback")
+        init_method = self.group.new_init_method() if rebuild_comm else None
+        held = self.group.call(devices, "rollback", self.base, init_method, what="rollback",
+                               timeout=self.deadline(0))
+        if states is None:
+            unique: dict[str, RequestState] = {}
+            for per_device in held:
+                for s in per_device:
+                    unique.setdefault(s.request_id, s)
+            states = list(unique.values())
         assignment = balance_states(states, self.base.num_replicas)
         self._import(self.base, states, assignment, set(), what="rollback import")
-        self.last_rollback_assignment = assignment
+        return states, assignment
 
     def _import(self, layout: Layout, states: list[RequestState], assignment: dict[str, int], migrated: set[str], *,
-                what: str) -> None:
+                what: str) -> list[dict]:
         """Every device of replica r imports the requests assigned to r; those in `migrated` take their KV
-        from the hand-off, the rest are recomputed."""
+        from the hand-off, the rest are recomputed. Returns the replica leads' import reports."""
         calls = {}
         for r, group in enumerate(layout.groups):
             mine = [s for s in states if assignment[s.request_id] == r]
             ids = [s.request_id for s in mine if s.request_id in migrated]
             for d in group:
                 calls[d] = ("import_requests", (mine, ids))
-        self.group.call_each(calls, what=what)
+        reports = dict(zip(calls, self.group.call_each(calls, what=what, timeout=self.deadline(0))))
+        leads = {group[0] for group in layout.groups}
+        # Bytes count on every device; request outcomes once per replica (its TP ranks decide alike).
+        return [dict(rep, fallbacks=rep["fallbacks"] if d in leads else ()) for d, rep in reports.items()]
 
 
 def _unique_states(layout: Layout, per_device: list[list[RequestState]]) -> list[RequestState]:

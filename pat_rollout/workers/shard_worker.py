@@ -7,6 +7,7 @@ Every method that communicates is called on all devices at once by the driver.
 
 from __future__ import annotations
 
+import datetime
 import logging
 import os
 import time
@@ -24,7 +25,7 @@ from pat_rollout.engine.base import EngineSnapshot, StepResult
 from pat_rollout.engine.ref.config import RefEngineConfig
 from pat_rollout.engine.ref.engine import RefEngine
 from pat_rollout.kv.apply import gather_kv
-from pat_rollout.kv.plan import KVTransfer
+from pat_rollout.kv.plan import KVPlan, KVTransfer
 from pat_rollout.layout import Layout
 from pat_rollout.layout.reachable import reachable_layouts
 from pat_rollout.reshard.apply import reshard_local
@@ -45,26 +46,53 @@ class WorkerInit:
     tp_sizes: tuple[int, ...]
     backend: str = "gloo"
     num_threads: int = 1
+    comm_timeout_s: float = 1800.0  # every collective and transfer; a blocked peer errors out after this
+
+
+FAULT_PHASES = ("export", "kv", "reshard", "switch", "import", "step", "rollback")
 
 
 class ShardWorker:
     def __init__(self, init: WorkerInit) -> None:
         self.device = init.device
+        self.init = init
         torch.set_num_threads(init.num_threads)
-        if not dist.is_initialized():
-            dist.init_process_group(init.backend, init_method=init.init_method, rank=init.device,
-                                    world_size=init.world_size)
-        self.groups = GroupCache(init.backend)
-        self.groups.build(reachable_layouts(init.initial_layout, init.tp_sizes))
         self.layout = init.initial_layout
         self.base = init.initial_layout
+        self._join(init.init_method)
         self.engine = RefEngine(init.engine, self._tp_context(self.layout))
-        self.transport = GlooTransport(group=None, device_to_group_rank=None)
         self._exported: dict[str, RequestState] = {}
         self._incoming_kv: dict[str, torch.Tensor] = {}
+        self._kv_bytes_received = 0
         self._new_shards: dict[str, torch.Tensor] | None = None
-        self._fail_phase: str | None = None  # fault injection for tests
-        self._backup_base_weights()
+        self._fail: tuple[str, float] | None = None  # fault injection for tests: (phase, hang seconds or 0)
+        self._backup: dict[str, torch.Tensor] = {}
+        self._backup_stale = True
+        self.num_backups = 0
+        self.num_comm_builds = 1
+        self._ensure_backup()
+
+    def _join(self, init_method: str) -> None:
+        """Join the torch.distributed world and build every reachable layout's group, all with the timeout."""
+        timeout = datetime.timedelta(seconds=self.init.comm_timeout_s)
+        if not dist.is_initialized():
+            dist.init_process_group(self.init.backend, init_method=init_method, rank=self.device,
+                                    world_size=self.init.world_size, timeout=timeout)
+        self.groups = GroupCache(self.init.backend, timeout=timeout)
+        self.groups.build(reachable_layouts(self.base, self.init.tp_sizes))
+        self.transport = GlooTransport(group=None, device_to_group_rank=None)
+
+    def rebuild_comm(self, init_method: str, rebind: bool = True) -> None:
+        """Tear down and rebuild every process group (a timed-out gloo transfer leaves its pairs closed).
+        Collective over the world at a fresh rendezvous `init_method`; with `rebind` the (idle) engine is
+        bound to the new group of its layout."""
+        self.groups.close()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        self._join(init_method)
+        self.num_comm_builds += 1
+        if rebind:
+            self.engine.set_layout(self._tp_context(self.layout), None)
 
     # ---- set-up ---------------------------------------------------------------------------------
     def _tp_context(self, layout: Layout) -> TPContext:
@@ -76,15 +104,23 @@ class ShardWorker:
     def info(self) -> dict[str, Any]:
         return {"device": self.device, "pid": os.getpid(), "layout": str(self.layout),
                 "num_groups": len(self.groups), "groups_created": self.groups.num_created,
-                "group_ids": {str(sorted(k)): id(h.pg) for k, h in self.groups.handles().items()}}
+                "group_ids": {str(sorted(k)): id(h.pg) for k, h in self.groups.handles().items()},
+                "num_backups": self.num_backups, "num_comm_builds": self.num_comm_builds,
+                "engine_stats": dict(self.engine.stats), "num_unfinished": self.engine.num_unfinished()}
 
-    def fail_next(self, phase: str | None) -> None:
-        """Test hook: raise inside the next call of reconfiguration phase `phase`."""
-        self._fail_phase = phase
+    def fail_next(self, phase: str | None, hang_s: float = 0.0) -> None:
+        """Test hook: in the next call of phase `phase` (one of FAULT_PHASES) raise, or with `hang_s` > 0
+        sleep that long first (a hung device)."""
+        if phase is not None and phase not in FAULT_PHASES:
+            raise ValueError(f"fail_next: phase={phase!r} is not one of {FAULT_PHASES}")
+        self._fail = None if phase is None else (phase, hang_s)
 
     def _maybe_fail(self, phase: str) -> None:
-        if self._fail_phase == phase:
-            self._fail_phase = None
+        if self._fail is not None and self._fail[0] == phase:
+            hang_s = self._fail[1]
+            self._fail = None
+            if hang_s > 0:
+                time.sleep(hang_s)
             raise RuntimeError(f"injected failure in phase {phase!r} on device {self.device}")
 
     # ---- serving --------------------------------------------------------------------------------
@@ -92,6 +128,7 @@ class ShardWorker:
         self.engine.add_requests(requests)
 
     def step(self, num_steps: int) -> tuple[StepResult, EngineSnapshot]:
+        self._maybe_fail("step")
         result = self.engine.step(num_steps)
         return result, self.engine.snapshot()
 
@@ -103,12 +140,19 @@ class ShardWorker:
             raise RuntimeError(f"device {self.device}: update_weights in layout {self.layout}; the driver must "
                                f"return to the base layout {self.base} first")
         self.engine.update_weights(named_tensors)
-        self._backup_base_weights()
+        self._backup_stale = True  # verl sends many buckets per update: back up once, at the next switch
 
-    def _backup_base_weights(self) -> None:
+    def _ensure_backup(self) -> None:
         """Host copy of this device's base-layout shard: what a failed reconfiguration rolls back to
-        (SGLang keeps the same backup under verl: enable_weights_cpu_backup)."""
+        (SGLang keeps the same backup under verl: enable_weights_cpu_backup). Taken once per weight
+        update, lazily, when a reconfiguration starts from the base layout."""
+        if not self._backup_stale:
+            return
+        if self.layout != self.base:
+            raise RuntimeError(f"device {self.device}: weight backup is stale in layout {self.layout}")
         self._backup = {name: t.detach().to("cpu", copy=True) for name, t in self.engine.named_shards().items()}
+        self._backup_stale = False
+        self.num_backups += 1
 
     def release(self, tags: list[str]) -> None:
         self.engine.release(tags)
@@ -118,18 +162,23 @@ class ShardWorker:
 
     # ---- reconfiguration phases (called on every device, in this order) ------------------------
     def export_requests(self) -> list[RequestState]:
+        self._ensure_backup()
         self._maybe_fail("export")
         states = self.engine.export_requests(None)
         self._exported = {s.request_id: s for s in states}
         return states
 
-    def handoff_kv(self, transfers: tuple[KVTransfer, ...]) -> float:
+    def handoff_kv(self, transfers: KVPlan | tuple[KVTransfer, ...]) -> float:
         """Send/receive KV of migrated requests; returns seconds spent."""
         t0 = time.perf_counter()
         self._maybe_fail("kv")
         spec = self.engine.model_spec
         self._incoming_kv = gather_kv(transfers, self.device, self.engine.export_kv, self.transport,
                                       num_layers=spec.num_layers, head_dim=spec.head_dim, dtype=self.engine.dtype)
+        elem = torch.tensor([], dtype=self.engine.dtype).element_size()
+        mine = transfers.transfers if isinstance(transfers, KVPlan) else transfers
+        self._kv_bytes_received = sum(spec.num_layers * 2 * t.num_tokens * t.num_heads * spec.head_dim * elem
+                                      for t in mine if t.dst_device == self.device and not t.is_local)
         return time.perf_counter() - t0
 
     def reshard(self, plan: Any) -> float:
@@ -149,29 +198,40 @@ class ShardWorker:
         self.layout = layout
         return time.perf_counter() - t0
 
-    def import_requests(self, states: list[RequestState], migrated: Iterable[str]) -> float:
+    def import_requests(self, states: list[RequestState], migrated: Iterable[str]) -> dict[str, Any]:
+        """Import `states` (those in `migrated` with their handed-off KV); reports what the engine did:
+        seconds, requests resumed from KV, ids recomputed for lack of blocks, KV bytes received."""
         t0 = time.perf_counter()
         self._maybe_fail("import")
         kv = {rid: self._incoming_kv[rid] for rid in migrated}
-        self.engine.import_requests(states, kv or None)
+        fallbacks = self.engine.import_requests(states, kv or None)
         self._incoming_kv.clear()
         self._exported.clear()
-        return time.perf_counter() - t0
+        received, self._kv_bytes_received = self._kv_bytes_received, 0
+        return {"seconds": time.perf_counter() - t0, "num_with_kv": len(kv) - len(fallbacks),
+                "fallbacks": tuple(fallbacks), "kv_bytes_received": received}
 
-    def rollback(self, layout: Layout) -> None:
+    def rollback(self, layout: Layout, init_method: str | None = None) -> list[RequestState]:
         """Return to the base `layout` after a failed reconfiguration, restoring this device's shard from
-        the host backup; the driver then re-imports every exported request for recomputation."""
+        the host backup (and rebuilding every process group at `init_method` when given: a failed
+        transfer may have closed them). Returns every unfinished request this device held: its exports,
+        or, if its export never ran, what its engine still had; the driver re-imports them for recomputation."""
         if layout != self.base:
             raise ValueError(f"rollback target {layout} is not the base layout {self.base}")
+        self._maybe_fail("rollback")
+        held = list(self._exported.values()) or self.engine.export_requests(None)
         self._incoming_kv.clear()
+        self._kv_bytes_received = 0
         self._new_shards = None
-        if self._exported:
-            self.engine.free_exported()
-            self._exported.clear()
+        self.engine.free_exported()
+        self._exported.clear()
         self.engine.abort_all()  # anything imported before the failure is re-imported by the driver
+        self.layout = layout
+        if init_method is not None:
+            self.rebuild_comm(init_method, rebind=False)
         shards = {name: t.clone() for name, t in self._backup.items()}
         self.engine.set_layout(self._tp_context(layout), shards)
-        self.layout = layout
+        return held
 
     def measure_p2p(self, nbytes: int, src: int, dst: int, repeats: int = 3) -> float:
         """Seconds per one-way message of `nbytes` from `src` to `dst` (profiling KV bandwidth)."""

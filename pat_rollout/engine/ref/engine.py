@@ -47,6 +47,10 @@ class RefEngine(Engine):
         self.blocks = self.kv.blocks
         self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_prefill_tokens)
         self.exported: dict[str, Sequence] = {}
+        # What the engine really did, for tests and metrics: prefill_tokens (every token a forward computed
+        # that was not a decode step, recomputation included), imported, imported_with_kv,
+        # kv_tokens_imported, import_fallbacks (KV given but recomputed for lack of blocks).
+        self.stats: Counter[str] = Counter()
 
     # ---- introspection -------------------------------------------------------------------------
     @property
@@ -67,6 +71,10 @@ class RefEngine(Engine):
 
     def has_unfinished(self) -> bool:
         return bool(self.scheduler.running or self.scheduler.waiting)
+
+    def num_unfinished(self) -> int:
+        """Running, waiting and exported requests (an idle engine has none)."""
+        return len(self.scheduler.running) + len(self.scheduler.waiting) + len(self.exported)
 
     def snapshot(self) -> EngineSnapshot:
         running = tuple(RunningInfo(request_id=s.request_id, num_prompt_tokens=s.num_prompt_tokens,
@@ -105,6 +113,7 @@ class RefEngine(Engine):
                 num_prefill += batch.num_prefill_tokens
                 num_decode += batch.num_decode_tokens
                 num_preempted += batch.num_preempted
+        self.stats["prefill_tokens"] += num_prefill
         return StepResult(finished=tuple(finished), num_steps=done, num_decode_tokens=num_decode,
                           num_prefill_tokens=num_prefill, num_running=len(self.scheduler.running),
                           num_waiting=len(self.scheduler.waiting), elapsed_s=time.perf_counter() - start,
@@ -172,10 +181,11 @@ class RefEngine(Engine):
             self.blocks.free(seq)
         self.exported.clear()
 
-    def import_requests(self, states: Iterable[RequestState], kv: dict[str, torch.Tensor] | None = None) -> None:
+    def import_requests(self, states: Iterable[RequestState], kv: dict[str, torch.Tensor] | None = None) -> list[str]:
         """Requests with KV resume decoding at the next step, even past max_num_seqs (one whose blocks
         do not fit is recomputed, with a warning); the others are queued ahead of new requests and
-        recompute their cached prefix. Validation is all-or-nothing."""
+        recompute their cached prefix. Validation is all-or-nothing. Returns the ids given KV that were
+        recomputed for lack of blocks (also counted in `stats`)."""
         states, kv = list(states), kv or {}
         self._check_new_ids([s.request_id for s in states])
         if unknown := sorted(set(kv) - {s.request_id for s in states}):
@@ -190,7 +200,7 @@ class RefEngine(Engine):
             if st.request_id in kv and tuple(kv[st.request_id].shape) != expected:
                 raise ValueError(f"import_requests: kv[{st.request_id!r}] has shape {tuple(kv[st.request_id].shape)}, "
                                  f"expected {expected} (tp_rank={self.tp.rank}, tp_size={self.tp.size})")
-        recompute = []
+        recompute, fallbacks = [], []
         for st in states:
             seq = Sequence.from_state(st)
             cache = kv.get(st.request_id)
@@ -201,12 +211,18 @@ class RefEngine(Engine):
                 logger.warning("import_requests: no KV blocks for %r (%d free); recomputing its %d cached tokens",
                                st.request_id, self.blocks.num_free, st.num_cached_tokens)
                 recompute.append(seq)
+                fallbacks.append(st.request_id)
                 continue
             self.blocks.allocate(seq, st.num_cached_tokens)
             self.kv.write(seq, cache)
             seq.num_cached = st.num_cached_tokens
             self.scheduler.running.append(seq)
+            self.stats["imported_with_kv"] += 1
+            self.stats["kv_tokens_imported"] += st.num_cached_tokens
         self.scheduler.waiting.extendleft(reversed(recompute))
+        self.stats["imported"] += len(states)
+        self.stats["import_fallbacks"] += len(fallbacks)
+        return fallbacks
 
     def set_layout(self, tp: TPContext, shards: dict[str, torch.Tensor] | None = None) -> None:
         """Rebind to TP group `tp`, swapping in `shards` (this rank's tensors in the new layout) and
