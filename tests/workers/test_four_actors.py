@@ -1,11 +1,14 @@
 """4 Ray actors: 4xTP1 -> 2xTP2 -> 1xTP4 mid-decode (TP4 replicates the 2 KV heads) and back to
-the base layout for the next stage, with outputs equal to a static 4xTP1 run."""
+the base layout exactly, then a weight update and a second stage, with outputs equal to a static 4xTP1 run."""
 
 from __future__ import annotations
 
 import pytest
+import torch
 from pool_helpers import pool_config, skewed_requests, wait_first_done
+from safetensors.torch import load_file
 
+from pat_rollout.layout import Layout
 from pat_rollout.workers.driver import RolloutDriver
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
@@ -27,11 +30,21 @@ def test_4xtp1_to_2xtp2_to_1xtp4(ray_cluster, tiny_models):
         assert driver.layout.num_replicas == 2
         driver.reconfigure(4)
         assert driver.layout.groups == ((0, 2, 1, 3),)  # interleaved: every new shard is a slice of the old
+        driver.reconfigure(1)  # one shrink straight back: the base itself, not [[0],[2],[1],[3]]
+        assert driver.layout == Layout.uniform(4, 1)
         outputs = [f.result(timeout=300) for f in futures]
         metrics = driver.stage_metrics()
+        weights = load_file(f"{tiny_models['qwen3']}/model.safetensors")
+        driver.update_weights((n, t.to(torch.float64)) for n, t in weights.items())  # raised outside the base
+        second = driver.generate(requests, timeout=300)
+        second_metrics = driver.stage_metrics()
     finally:
         driver.shutdown()
-    assert [o.token_ids for o in outputs] == [o.token_ids for o in reference]
-    for o, r in zip(outputs, reference):
-        assert max(abs(a - b) for a, b in zip(o.log_probs, r.log_probs)) < 1e-9
-    assert metrics["pat/num_reconfigs"] == 2 and metrics["pat/num_migrated"] >= 2
+    for outs in (outputs, second):
+        assert [o.token_ids for o in outs] == [o.token_ids for o in reference]
+        for o, r in zip(outs, reference):
+            assert max(abs(a - b) for a, b in zip(o.log_probs, r.log_probs)) < 1e-9
+    assert metrics["pat/num_reconfigs"] == 3 and metrics["pat/num_migrated"] >= 2
+    assert metrics["pat/kv_bytes_received"] > 0 and metrics["pat/num_import_fallbacks"] == 0
+    # the second stage starts in the base layout: no (no-op) reconfiguration at its start
+    assert second_metrics["pat/num_reconfigs"] == 0 and second_metrics["pat/layouts"].count("TP") == 1

@@ -52,6 +52,14 @@ def test_grow_and_shrink_mid_decode_match_static(ray_cluster, tiny_models, hando
     _assert_same(outputs, reference)
     moved = metrics["pat/num_migrated"] if handoff == "migrate" else metrics["pat/num_recomputed"]
     assert metrics["pat/num_reconfigs"] == 2 and moved >= 2, metrics
+    # What the engines did, not what the driver chose: migrated KV is used (each prompt prefilled once,
+    # KV bytes crossed devices), recomputation prefills the contexts again.
+    prompts = sum(len(r.prompt_token_ids) for r in requests)
+    assert metrics["pat/num_import_fallbacks"] == 0
+    if handoff == "migrate":
+        assert metrics["pat/prefill_tokens"] == prompts and metrics["pat/kv_bytes_received"] > 0, metrics
+    else:
+        assert metrics["pat/prefill_tokens"] > prompts and metrics["pat/kv_bytes_received"] == 0, metrics
     # communicators were built once at start-up and reused: same objects, nothing created since
     for before, after in zip(groups_before, groups_after):
         assert after["group_ids"] == before["group_ids"]

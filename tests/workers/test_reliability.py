@@ -1,0 +1,175 @@
+"""Fault injection on 2 Ray actors: every failure ends in bounded time with every request resolved, either
+finished exactly as a clean run would or failed with an error naming the phase and the device; a pool
+that cannot recover is marked broken and says so at once. A hang is a test failure (`bounded`)."""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+
+import pytest
+from pool_helpers import pool_config, skewed_requests, wait_first_done
+
+from pat_rollout.layout import Layout
+from pat_rollout.workers.driver import RolloutDriver
+from pat_rollout.workers.errors import PoolBrokenError
+from pat_rollout.workers.reconfigure import ReconfigurationError
+
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
+
+BASE = Layout.uniform(2, 1)
+CFG = dict(num_kv_blocks=128, kv_handoff="migrate")
+
+
+def bounded(fn, seconds: float = 60):
+    """fn() in a thread; its result or exception, or a test failure if it is still running after `seconds`."""
+    box: dict = {}
+
+    def run():
+        try:
+            box["value"] = fn()
+        except BaseException as e:  # re-raised in the caller
+            box["error"] = e
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(seconds)
+    if t.is_alive():
+        pytest.fail(f"{getattr(fn, '__name__', fn)} hung for more than {seconds} s")
+    if "error" in box:
+        raise box["error"]
+    return box.get("value")
+
+
+@pytest.fixture(scope="module")
+def requests():
+    return skewed_requests(long_len=100)
+
+
+@pytest.fixture(scope="module")
+def reference(ray_cluster, tiny_models, requests):
+    driver = RolloutDriver(pool_config(tiny_models["llama"], policy="static", **CFG))
+    try:
+        return [o.token_ids for o in driver.generate(requests, timeout=120)]
+    finally:
+        driver.shutdown()
+
+
+def _fail_next(driver, device: int, phase: str, hang_s: float = 0.0) -> None:
+    driver.pool.group.call([device], "fail_next", phase, hang_s)
+
+
+def test_failure_in_every_transfer_phase_rolls_back_and_loses_nothing(tiny_models, requests, reference):
+    """Export (requests already exported by the healthy device), KV hand-off and a shrink's weight
+    transfers with the peer blocked in gloo until comm_timeout_s: all roll back, the communicators are
+    rebuilt, and the next switch works."""
+    driver = RolloutDriver(pool_config(tiny_models["llama"], comm_timeout_s=3, **CFG))
+    try:
+        futures = driver.submit_many(requests)
+        wait_first_done(futures)
+        _fail_next(driver, 1, "export")
+        with pytest.raises(ReconfigurationError, match=r"failed in export .*injected failure in phase 'export' on "
+                                                       r"device 1.*unfinished requests re-imported"):
+            bounded(lambda: driver.reconfigure(2))
+        assert driver.layout == BASE
+        _fail_next(driver, 1, "kv")
+        with pytest.raises(ReconfigurationError, match=r"failed in KV hand-off .*device 0 failed in KV hand-off.*"
+                                                       r"[Tt]imed out.*injected failure in phase 'kv' on device 1"):
+            bounded(lambda: driver.reconfigure(2))
+        assert driver.layout == BASE
+        bounded(lambda: driver.reconfigure(2))  # rebuilt communicators carry a switch
+        assert driver.layout.tp_size == 2
+        _fail_next(driver, 1, "reshard")
+        with pytest.raises(ReconfigurationError, match=r"failed in reshard .*injected failure in phase 'reshard'"):
+            bounded(lambda: driver.reconfigure(1))
+        assert driver.layout == BASE
+        outputs = [f.result(timeout=120) for f in futures]
+        metrics = driver.stage_metrics()
+        info = driver.worker_info()
+        plans = driver.pool.reconfigurer.plans
+    finally:
+        driver.shutdown()
+    assert [o.token_ids for o in outputs] == reference
+    assert metrics["pat/num_failed_reconfigs"] == 3 and metrics["pat/num_reconfigs"] == 1
+    assert [i["num_comm_builds"] for i in info] == [3, 3]  # start-up, after the KV and the reshard failures
+    assert plans.misses == 2 and plans.hits == 2  # 1->2 planned once and reused twice, 2->1 once
+
+
+def test_hung_device_breaks_the_pool_with_a_clear_error(tiny_models, requests):
+    driver = RolloutDriver(pool_config(tiny_models["llama"], comm_timeout_s=2, rpc_timeout_s=2,
+                                       rpc_timeout_per_token_s=0.001, **CFG))
+    try:
+        futures = driver.submit_many(requests)
+        wait_first_done(futures)
+        _fail_next(driver, 1, "kv", hang_s=600)
+        with pytest.raises(PoolBrokenError, match=r"failed in KV hand-off.*device 1 did not answer KV hand-off "
+                                                  r"within .* s.*broken"):
+            bounded(lambda: driver.reconfigure(2))
+        unfinished = [f for f in futures if f.exception(timeout=30) is not None]
+        assert unfinished, "the long requests were in flight"
+        for f in unfinished:
+            assert isinstance(f.exception(), PoolBrokenError) and "device 1" in str(f.exception())
+        t0 = time.monotonic()
+        with pytest.raises(PoolBrokenError, match="pool is broken: .*KV hand-off"):
+            driver.generate(requests)
+        with pytest.raises(PoolBrokenError, match="pool is broken"):
+            driver.reconfigure(2)
+        assert time.monotonic() - t0 < 5  # at once, not after another deadline
+    finally:
+        bounded(driver.shutdown)
+
+
+def test_errors_abort_engine_copies_and_batches_are_atomic(tiny_models, tmp_path, requests, reference):
+    import torch
+    from safetensors.torch import load_file
+
+    driver = RolloutDriver(pool_config(tiny_models["llama"], **CFG))
+    try:
+        with pytest.raises(ValueError, match=r"\['r0'\] repeated in one batch; nothing was submitted"):
+            driver.generate([*requests, requests[0]])
+        too_long = dataclasses.replace(skewed_requests(n=1, long_len=4000)[0], request_id="too_long")
+        with pytest.raises(ValueError, match="max_new_tokens 4000"):
+            driver.generate([*requests[:3], too_long])
+        assert [o.token_ids for o in bounded(lambda: driver.generate(requests, timeout=120))] == reference
+
+        _fail_next(driver, 0, "step")  # a device fails mid-decode: its requests fail, the engines forget them
+        for f in driver.submit_many(requests):
+            with pytest.raises(RuntimeError, match=r"device 0 failed in decode step.*injected failure in phase "
+                                                   r"'step' on device 0"):
+                f.result(timeout=60)
+        assert [i["num_unfinished"] for i in driver.worker_info()] == [0, 0]
+        assert [o.token_ids for o in bounded(lambda: driver.generate(requests, timeout=120))] == reference
+
+        driver.release()
+        with pytest.raises(RuntimeError, match=r"KV cache is released; call resume"):
+            driver.generate(requests)
+        driver.resume()
+        assert [o.token_ids for o in bounded(lambda: driver.generate(requests, timeout=120))] == reference
+
+        # verl sends an update in buckets: the rollback backup is taken once per update, not per bucket
+        weights = sorted(load_file(f"{tiny_models['llama']}/model.safetensors").items())
+        for i in range(3):
+            driver.update_weights((n, t.to(torch.float64)) for n, t in weights[i::3])
+        driver.reconfigure(2)
+        driver.reconfigure(1)
+        assert [i["num_backups"] for i in driver.worker_info()] == [2, 2]  # start-up, then this update
+        assert [o.token_ids for o in bounded(lambda: driver.generate(requests, timeout=120))] == reference
+    finally:
+        driver.shutdown()
+
+
+def test_shutdown_fails_in_flight_requests_and_every_later_call(tiny_models, requests):
+    driver = RolloutDriver(pool_config(tiny_models["llama"], **CFG))
+    futures = driver.submit_many(requests)
+    wait_first_done(futures)
+    bounded(driver.shutdown)
+    errors = [f.exception(timeout=10) for f in futures]
+    assert any(errors), "the long requests were in flight"
+    assert all("shut down with" in str(e) for e in errors if e is not None)
+    for call in (lambda: driver.reconfigure(2), lambda: driver.generate(requests), lambda: driver.abort_all(),
+                 lambda: driver.update_weights([]), lambda: driver.release(), lambda: driver.resume(),
+                 lambda: driver.worker_info()):
+        with pytest.raises(RuntimeError, match="RolloutDriver is shut down"):
+            bounded(call, 10)
+    bounded(driver.shutdown)  # idempotent
