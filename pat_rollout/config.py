@@ -3,9 +3,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from pat_rollout.planner import PlannerConfig
 
 BACKENDS = ("reference", "sglang")
 POLICIES = ("pat", "static", "manual")
@@ -81,6 +85,17 @@ class PatRolloutConfig:
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
                     or value <= 0:
                 raise ValueError(f"{name}={value!r} must be a finite number > 0")
+
+    def planner_config(self) -> PlannerConfig:
+        """`planner` as a validated pat_rollout.planner.PlannerConfig over this pool's TP sizes. The driver
+        calls it under every policy, so an unknown option fails under 'static' as loudly as under 'pat'."""
+        from pat_rollout.planner import PlannerConfig  # pure; imported late so config stays dependency-free
+
+        allowed = {f.name for f in dataclasses.fields(PlannerConfig)} - {"candidate_tps"}
+        if unknown := sorted(set(self.planner) - allowed):
+            raise ValueError(f"unknown planner option(s) {unknown} (policy={self.policy!r}); "
+                             f"allowed: {sorted(allowed)}")
+        return PlannerConfig(candidate_tps=self.tp_sizes, **self.planner)
 
     def rpc_deadline_s(self, work_tokens: int = 0) -> float:
         """Seconds the driver waits for one RPC that processes `work_tokens` tokens (see the class doc)."""

@@ -24,14 +24,7 @@ from pat_rollout.planner.balance import assign_new
 from pat_rollout.types import Request, RequestOutput
 from pat_rollout.workers.errors import PoolBrokenError, WorkerError
 from pat_rollout.workers.metrics import StageMetrics
-from pat_rollout.workers.pat_planner import (
-    build_planner,
-    cluster_state,
-    handoff_cost,
-    load_profile,
-    planner_config,
-    prompt_key,
-)
+from pat_rollout.workers.pat_planner import build_planner, cluster_state, handoff_cost, load_profile, prompt_key
 from pat_rollout.workers.pool import Pool, RefPool
 from pat_rollout.workers.reconfigure import ReconfigurationError, Reconfigurer
 
@@ -47,7 +40,7 @@ class RolloutDriver:
 
     def __init__(self, config: PatRolloutConfig, *, num_cpus_per_worker: float = 1) -> None:
         self.config = config
-        planner_config(config)  # unknown planner options fail under every policy, before any actor starts
+        config.planner_config()  # unknown planner options fail under every policy, before any actor starts
         self.base = Layout.uniform(config.num_devices, config.initial_tp)
         if config.backend == "reference":
             # The engine's own config validates the checkpoint, so the pool fails before starting any actor.

@@ -3,7 +3,6 @@ hand-off cost model from the same profile, and ClusterState from the driver's bo
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 from collections.abc import Mapping
 from pathlib import Path
@@ -11,7 +10,7 @@ from pathlib import Path
 from pat_rollout.config import PatRolloutConfig
 from pat_rollout.engine.base import RunningInfo
 from pat_rollout.kv.cost import HandoffCost
-from pat_rollout.planner import ClusterState, Planner, PlannerConfig, ReqProgress
+from pat_rollout.planner import ClusterState, Planner, ReqProgress
 from pat_rollout.profile.model import BUILTIN_PROFILES, DATA_DIR, LatencyModel
 from pat_rollout.types import ModelSpec, Request
 
@@ -38,17 +37,7 @@ def build_planner(config: PatRolloutConfig, spec: ModelSpec, model: LatencyModel
     if missing:
         raise ValueError(f"profile {model.meta.get('model')!r} has no decode points for TP sizes {missing}; "
                          f"it covers {list(model.tps)}")
-    return Planner(model, planner_config(config))
-
-
-def planner_config(config: PatRolloutConfig) -> PlannerConfig:
-    """config.planner as a validated PlannerConfig. The driver checks it under every policy, so a typo
-    fails as loudly under policy='static' as under 'pat'."""
-    allowed = {f.name for f in dataclasses.fields(PlannerConfig)} - {"candidate_tps"}
-    unknown = sorted(set(config.planner) - allowed)
-    if unknown:
-        raise ValueError(f"unknown planner option(s) {unknown} (policy={config.policy!r}); allowed: {sorted(allowed)}")
-    return PlannerConfig(candidate_tps=config.tp_sizes, **config.planner)
+    return Planner(model, config.planner_config())
 
 
 def handoff_cost(model: LatencyModel) -> HandoffCost:
