@@ -84,7 +84,9 @@ def measure_profile(model_path: str, grid: ProfileGrid, *, num_devices: int, dty
             if pool.layout.tp_size != tp:
                 src = pool.layout.tp_size
                 phases.append((src, tp, pool.reconfigure(tp, {}).phase_s))
-            _time_point(pool, grid, 1, 8, spec.vocab_size, rng, "warmup")  # first touch of this layout's groups
+            for n in range(2):  # first touch of this layout's groups, KV pool and step buffers: not a profile point
+                _time_point(pool, grid, max(grid.batches), min(grid.contexts), spec.vocab_size, rng, f"warm{tp}-{n}")
+                _time_point(pool, grid, 1, min(grid.contexts), spec.vocab_size, rng, f"warm{tp}-1-{n}")
             prefill_points = []
             for batch in grid.batches:
                 for context in grid.contexts:
