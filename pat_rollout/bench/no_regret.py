@@ -83,7 +83,9 @@ def run(args: argparse.Namespace) -> bool:
         ok = True
         for batch_name in args.batches:
             n, n_long, long_len = BATCHES[batch_name]
-            requests = skewed_batch(n, n_long, 32, long_len, vocab=2000, seed=1)
+            # Prompts of its own per batch: the length predictor keys its history by prompt, and one prompt with
+            # another batch's length would be a different workload than RL's (where a prompt's lengths correlate).
+            requests = skewed_batch(n, n_long, 32, long_len, vocab=2000, seed=1 + list(BATCHES).index(batch_name))
             lengths = [r.sampling.max_new_tokens for r in requests]
             print(f"\n== batch {batch_name}: {n} requests, {n_long} of {long_len} tokens, the rest "
                   f"{min(lengths)}-{sorted(lengths)[n - n_long - 1] if n > n_long else long_len} ==", flush=True)
