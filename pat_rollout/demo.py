@@ -4,11 +4,11 @@
 
 Most requests stop after a few dozen tokens, a few run long: the batch drains, and PAT regroups the
 devices from N x TP1 into larger TP groups for the tail when its latency profile says that pays off.
-Four runs: static N x TP1, static 1 x TPN, PAT with the profile measured on these CPUs (where gloo
-collectives are slow, so it should stay at TP1), and PAT driven by the published-figures H100 profile,
-which makes it reconfigure mid-decode on the CPU pool (a demonstration of the mechanism: that profile
-does not describe this hardware). Every run is greedy, so all outputs must be identical token for
-token; the demo checks that and prints timings side by side.
+Four runs: static N x TP1, static 1 x TPN, PAT with the profile measured on these CPUs, and PAT driven by
+the published-figures H100 profile (which does not describe this hardware: the planner's online calibration
+corrects it from the warm-up stage on). Each PAT stage starts from the base layout TP1, where verl's weight
+update leaves the pool, and the planner picks the stage's starting layout from the batch. Every run is greedy,
+so all outputs must be identical token for token; the demo checks that and prints timings side by side.
 """
 
 from __future__ import annotations

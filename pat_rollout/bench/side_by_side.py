@@ -41,6 +41,8 @@ def timed_generate(cfg: PatRolloutConfig, requests: list[Request], warmup: list[
         driver.generate(warmup)
         times, tokens = [], []
         for _ in range(repeats):
+            if cfg.policy == "pat":  # every RL stage starts where verl's weight update leaves the pool: the base layout
+                driver.reconfigure(cfg.initial_tp)
             t0 = time.perf_counter()
             outputs = driver.generate(requests)
             times.append(time.perf_counter() - t0)

@@ -1,11 +1,14 @@
 """When and to which TP to reconfigure: compare predicted remaining time of every candidate layout, switch only
-when the predicted saving beats the overhead plus a margin, with hysteresis. Pure stdlib, deterministic."""
+when the predicted saving beats the overhead plus a margin, with hysteresis; pick each stage's starting layout from
+its batch. Estimates come from the profile corrected by what the pool measured (`calibration.py`). Pure stdlib,
+deterministic."""
 
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
 
+from pat_rollout.planner.calibration import Calibration, CalibrationConfig, PollSample, ReconfigSample
 from pat_rollout.planner.cost import TransitionCost, transition_cost
 from pat_rollout.planner.estimator import drain_s
 from pat_rollout.planner.predictor import LengthPredictor, PredictorConfig
@@ -23,16 +26,24 @@ class PlannerConfig:
     - min_steps_between_switches: no switch within this many steps of the previous one.
     - only_grow: only switch to a larger TP (the batch only drains during a stage).
     - no_return_steps: never switch back to a TP that was left less than this many steps ago.
-    - max_reconfigs_per_stage: hard cap on switches per stage."""
+    - max_reconfigs_per_stage: hard cap on switches per stage.
+    - start_layout: choose each stage's starting TP from its batch (else the stage starts where the pool is).
+    - explore_max_ratio: at a stage start, try a candidate TP never measured on this pool when its predicted stage
+      time is within this factor of the best (the profile may be wrong about it); 0 never explores.
+    - calibrate / calibration_alpha: correct the profile from measured polls and switches (EWMA weight)."""
 
     candidate_tps: tuple[int, ...]
     eval_every_steps: int = 64
     min_gain_s: float = 0.5
     min_gain_ratio: float = 0.05
     min_steps_between_switches: int = 256
-    only_grow: bool = True
+    only_grow: bool = False
     no_return_steps: int = 4096
     max_reconfigs_per_stage: int = 3
+    start_layout: bool = True
+    explore_max_ratio: float = 2.0
+    calibrate: bool = True
+    calibration_alpha: float = 0.5
     predictor: PredictorConfig = field(default_factory=PredictorConfig)
 
     def __post_init__(self) -> None:
@@ -44,7 +55,7 @@ class PlannerConfig:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
         for name in ("min_gain_s", "min_gain_ratio", "min_steps_between_switches", "no_return_steps",
-                     "max_reconfigs_per_stage"):
+                     "max_reconfigs_per_stage", "explore_max_ratio"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 0")
 
@@ -76,6 +87,7 @@ class Planner:
         self.model = model
         self.config = config
         self.predictor = predictor or LengthPredictor(config.predictor)
+        self.calibration = Calibration(CalibrationConfig(alpha=config.calibration_alpha, enabled=config.calibrate))
         self.start_stage()
 
     def start_stage(self) -> None:
@@ -83,7 +95,10 @@ class Planner:
         self.switches: list[tuple[int, int, int]] = []  # (step, tp_src, tp_dst)
         self.last_options: tuple[Option, ...] = ()
         self._last_eval_step: int | None = None
+        self.start_decision: Decision | None = None
+        self.start_explored = False
         self.predictor.start_stage()
+        self.calibration.start_stage()
 
     @property
     def num_reconfigs(self) -> int:
@@ -118,19 +133,91 @@ class Planner:
         tokens = [r.num_tokens for r in state.requests]
         reps = [r.replica for r in state.requests]
         known = None if any(x is None for x in reps) else [int(x) for x in reps]  # type: ignore[arg-type]
-        now_s = drain_s(self.model, tp=state.tp, num_devices=state.num_devices, remaining=remaining,
+        model = self.estimator_model()
+        now_s = drain_s(model, tp=state.tp, num_devices=state.num_devices, remaining=remaining,
                         num_tokens=tokens, replicas=known)
         options = []
         for tp in sorted(self.config.candidate_tps):
             if tp == state.tp or state.num_devices % tp:
                 continue
             why_not = self._why_not(state, tp)
-            remaining_s = drain_s(self.model, tp=tp, num_devices=state.num_devices, remaining=remaining,
+            remaining_s = drain_s(model, tp=tp, num_devices=state.num_devices, remaining=remaining,
                                   num_tokens=tokens)
-            cost = transition_cost(self.model, num_devices=state.num_devices, tp_src=state.tp, tp_dst=tp,
-                                   num_tokens=tokens)
+            cost = self._cost(model, state.num_devices, state.tp, tp, tokens)
             options.append(Option(tp=tp, remaining_s=remaining_s, cost=cost, allowed=not why_not, why_not=why_not))
         return now_s, tuple(options)
+
+    def estimator_model(self) -> LatencyModel:
+        """The profile as corrected by this pool's measurements so far."""
+        return self.calibration.model(self.model)
+
+    def _cost(self, model: LatencyModel, num_devices: int, tp_src: int, tp_dst: int,
+              num_tokens: list[int]) -> TransitionCost:
+        cost = transition_cost(model, num_devices=num_devices, tp_src=tp_src, tp_dst=tp_dst, num_tokens=num_tokens)
+        return self.calibration.correct_cost(cost, tp_src, tp_dst)
+
+    # ---- measurements and the stage's starting layout -------------------------------------------
+    def observe_poll(self, sample: PollSample) -> None:
+        """A decode poll the pool measured (corrects decode-step estimates from now on)."""
+        self.calibration.observe_poll(self.model, sample)
+
+    def observe_reconfig(self, sample: ReconfigSample) -> None:
+        """A reconfiguration the pool measured (corrects overhead estimates from now on)."""
+        self.calibration.observe_reconfig(self.model, sample)
+
+    def start_options(self, state: ClusterState) -> dict[int, tuple[float, TransitionCost]]:
+        """For every candidate TP: predicted seconds to prefill and drain the batch of `state` (requests not started,
+        replica unknown) in that layout, and the cost of switching there from `state.tp` with nothing running."""
+        model = self.estimator_model()
+        pred = self.predict_remaining(state)
+        remaining = [pred[r.request_id] for r in state.requests]
+        tokens = [r.num_tokens for r in state.requests]
+        prompt_tokens = sum(r.num_prompt_tokens for r in state.requests)
+        out = {}
+        for tp in sorted(self.config.candidate_tps):
+            if state.num_devices % tp:
+                continue
+            run_s = drain_s(model, tp=tp, num_devices=state.num_devices, remaining=remaining, num_tokens=tokens)
+            run_s += model.prefill_s(tp, -(-prompt_tokens // (state.num_devices // tp)))
+            out[tp] = (run_s, self._cost(model, state.num_devices, state.tp, tp, []))
+        return out
+
+    def choose_start(self, state: ClusterState) -> Decision | None:
+        """The layout to start this stage's batch in (before any request is dispatched), or None to stay at
+        `state.tp`. Stays unless another layout is predicted to save more than the margin; explores a layout never
+        measured here once (see explore_max_ratio). Not counted as a switch by the hysteresis guards."""
+        cfg = self.config
+        if not cfg.start_layout or not state.requests:
+            return None
+        options = self.start_options(state)
+        total = {tp: run_s + cost.total_s for tp, (run_s, cost) in options.items()}
+        best = min(total, key=lambda tp: (total[tp], tp))
+        why = "predicted fastest"
+        if state.tp in total and total[state.tp] - total[best] <= max(cfg.min_gain_s,
+                                                                     cfg.min_gain_ratio * total[state.tp]):
+            best = state.tp
+        observed = self.calibration.observed_tps()
+        unobserved = [tp for tp in total if tp not in observed and total[tp] <= cfg.explore_max_ratio * total[best]]
+        if cfg.calibrate and observed and best in observed and unobserved:
+            best = min(unobserved, key=lambda tp: (total[tp], tp))
+            self.start_explored = True
+            why = f"never measured on this pool (TPs measured: {sorted(observed)}): exploring"
+        if best == state.tp:
+            return None
+        run_s, cost = options[best]
+        now_s = total.get(state.tp, float("inf"))
+        self.start_decision = Decision(
+            step=state.step, source_tp=state.tp, target_tp=best, predicted_remaining_now_s=now_s,
+            predicted_remaining_target_s=run_s, predicted_overhead_s=cost.total_s,
+            reason=f"stage start, {len(state.requests)} requests: tp={best} {why} ({run_s:.2f}s + "
+                   f"{cost.total_s:.3f}s switch; " + ", ".join(f"tp={tp} {t:.2f}s" for tp, t in total.items()) + ")")
+        return self.start_decision
+
+    def stage_metrics(self, prefix: str = "pat") -> dict[str, float]:
+        """Calibration and starting-layout metrics of the current stage."""
+        out = self.calibration.metrics(prefix)
+        out[f"{prefix}/start_explored"] = float(self.start_explored)
+        return out
 
     def _why_not(self, state: ClusterState, tp: int) -> str:
         cfg = self.config

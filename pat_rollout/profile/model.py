@@ -18,7 +18,8 @@ JSON schema, version 1 (what `to_dict` writes and `from_dict` reads; a profiler 
 
 `decode` must hold, for every tp, a full rectangular grid of (batch, context) points. `context` is the
 mean number of tokens (prompt + generated) per running request; `step_s` is the wall time of one decode
-step of one replica (TP group) running `batch` requests. `kv_transfer.bandwidth_bytes_per_s` is per device
+step of one replica (TP group) running `batch` requests. Optional per decode point: `step_s_range` = [min, max]
+of the repeats whose median is `step_s` (the measurement's spread; the model does not use it). `kv_transfer.bandwidth_bytes_per_s` is per device
 (each device sends its own KV shard in parallel); `reshard.bandwidth_bytes_per_s` is per receiving device.
 """
 
@@ -241,6 +242,12 @@ def _parse_grids(points: list[Any]) -> dict[int, _Grid]:
             _num(p, "step_s", where)
         if tp < 1 or b < 1 or c < 1 or s <= 0:
             raise ValueError(f"{where}: tp={tp}, batch={b}, context={c} must be >= 1 and step_s={s} > 0")
+        if "step_s_range" in p:
+            rng = p["step_s_range"]
+            if (not isinstance(rng, list) or len(rng) != 2 or any(isinstance(x, bool) or not isinstance(x, (int, float))
+                                                                  or not math.isfinite(x) for x in rng)
+                    or not 0 < rng[0] <= rng[1]):
+                raise ValueError(f"{where}step_s_range={rng!r} must be [min, max] with 0 < min <= max")
         if (b, c) in raw.setdefault(tp, {}):
             raise ValueError(f"{where}: duplicate point tp={tp} batch={b} context={c}")
         raw[tp][(b, c)] = s

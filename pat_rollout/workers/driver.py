@@ -13,6 +13,7 @@ import contextlib
 import logging
 import threading
 import time
+from collections import deque
 from collections.abc import Iterable
 from typing import Any
 
@@ -21,10 +22,19 @@ from pat_rollout.engine.base import RunningInfo
 from pat_rollout.engine.ref.config import RefEngineConfig, check_request
 from pat_rollout.layout import Layout, model_shard_specs
 from pat_rollout.planner.balance import assign_new
+from pat_rollout.planner.calibration import ReconfigSample
 from pat_rollout.types import Request, RequestOutput
 from pat_rollout.workers.errors import PoolBrokenError, WorkerError
 from pat_rollout.workers.metrics import StageMetrics
-from pat_rollout.workers.pat_planner import build_planner, cluster_state, handoff_cost, load_profile, prompt_key
+from pat_rollout.workers.pat_planner import (
+    build_planner,
+    cluster_state,
+    handoff_cost,
+    load_profile,
+    poll_sample,
+    prompt_key,
+    start_state,
+)
 from pat_rollout.workers.pool import Pool, RefPool
 from pat_rollout.workers.reconfigure import ReconfigurationError, Reconfigurer
 
@@ -90,6 +100,7 @@ class RolloutDriver:
         self._abort = False
         self._aborted: list[RequestOutput] = []
         self.last_reconfig = None  # ReconfigResult of the latest switch
+        self.samples: deque = deque(maxlen=4096)  # PollSample / ReconfigSample the planner calibrated from, newest last
         self._stop = False
         self._broken: str | None = None  # why the pool cannot serve any more
         self._released: set[str] = set()  # release() tags not resumed yet
@@ -260,7 +271,7 @@ class RolloutDriver:
                 if self._manual_tp:
                     self._manual_reconfigure()
                 if new and not self._futures:
-                    self._start_stage()
+                    self._start_stage([req for req, _ in new])
                 self._dispatch(new)
                 new = []
                 if self._futures:
@@ -273,17 +284,33 @@ class RolloutDriver:
                     self._futures.setdefault(req.request_id, fut)
                 self._fail_all(e)
 
-    def _start_stage(self) -> None:
+    def _start_stage(self, batch: list[Request]) -> None:
         self._stage = StageMetrics()
-        if self.layout != self.base:  # a new stage starts from the base layout (nothing to hand off)
-            self._to_base()
+        if self.layout != self.base and (self.planner is None or not self.planner.config.start_layout):
+            self._to_base()  # unless the planner picks the starting layout, a stage starts in the base layout
         self._stage.record_layout(str(self.layout))
         if self.planner is not None:
             self.planner.start_stage()
+            self._start_layout(batch)  # the planner picks the layout; nothing is dispatched yet, so nothing to hand off
+
+    def _start_layout(self, batch: list[Request]) -> None:
+        # Measurements are valid for this model on this pool's layouts; the planner forgets them otherwise.
+        self.planner.calibration.bind((self.spec, self.config.num_devices, self.config.tp_sizes))
+        keys = {r.request_id: prompt_key(r.prompt_token_ids) for r in batch}
+        decision = self.planner.choose_start(start_state(self.config.num_devices, self.layout.tp_size, batch, keys))
+        if decision is None:
+            return
+        logger.info("planner: %s -> TP%d (%s)", self.layout, decision.target_tp, decision.reason)
+        try:
+            self._apply_reconfigure(decision.target_tp)
+        except ReconfigurationError as e:  # rolled back to the base layout: start there
+            logger.error("%s", e)
 
     def _end_stage(self) -> None:
         if self._stage is None:
             return
+        if self.planner is not None:
+            self._stage.planner = self.planner.stage_metrics()
         self._stage.finish()
         self._last_stage, self._stage = self._stage, None
         logger.info("stage done: %s", {k: v for k, v in self._last_stage.as_dict().items()})
@@ -309,7 +336,9 @@ class RolloutDriver:
 
     def _poll(self) -> None:
         busy = sorted({r for r in self._assignment.values()})
+        t0 = time.perf_counter()
         results = self.pool.step(busy, self.config.steps_per_poll)
+        self._record_poll(results, time.perf_counter() - t0)
         self._num_polls += 1
         self._stage.num_polls += 1
         done = []
@@ -325,6 +354,21 @@ class RolloutDriver:
         self._resolve(done)
         if self.planner is not None and self._futures:
             self._maybe_reconfigure()
+
+    def _record_poll(self, results: dict, elapsed_s: float) -> None:
+        """Feed the planner's calibration what this poll measured (polls that also prefilled are left out)."""
+        sample = poll_sample(self.layout.tp_size, results, elapsed_s) if self.planner is not None else None
+        if sample is not None:
+            self.samples.append(sample)
+            self.planner.observe_poll(sample)
+
+    def _record_reconfig(self, src_tp: int, num_tokens: tuple[int, ...], elapsed_s: float) -> None:
+        if self.planner is None or src_tp == self.layout.tp_size:
+            return
+        sample = ReconfigSample(num_devices=self.config.num_devices, tp_src=src_tp, tp_dst=self.layout.tp_size,
+                                num_tokens=num_tokens, elapsed_s=elapsed_s)
+        self.samples.append(sample)
+        self.planner.observe_reconfig(sample)
 
     @staticmethod
     def _resolve(done: list[tuple[cf.Future | None, RequestOutput]]) -> None:
@@ -361,6 +405,10 @@ class RolloutDriver:
             self.planner.cancel(decision)  # hysteresis and the per-stage cap count only switches that happened
 
     def _apply_reconfigure(self, tp: int) -> None:
+        src_tp = self.layout.tp_size
+        num_tokens = tuple(i.num_prompt_tokens + i.num_output_tokens for rid, i in self._progress.items()
+                           if rid in self._assignment)
+        t0 = time.perf_counter()
         try:
             result = self.pool.reconfigure(tp, self._assignment)
         except ReconfigurationError as e:
@@ -369,6 +417,7 @@ class RolloutDriver:
             self._stage.record_layout(str(self.layout))
             raise
         self.last_reconfig = result
+        self._record_reconfig(src_tp, num_tokens, time.perf_counter() - t0)
         self._assignment = {rid: result.assignment[rid] for rid in self._assignment}
         self._stage.num_reconfigs += 1
         self._stage.num_migrated += len(result.migrated)

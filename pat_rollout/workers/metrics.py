@@ -23,6 +23,7 @@ class StageMetrics:
     layouts: list[tuple[float, str]] = field(default_factory=list)
     response_lengths: list[int] = field(default_factory=list)
     last_switch_s: float | None = None
+    planner: dict[str, float] = field(default_factory=dict)  # the planner's own stage metrics (calibration, start)
 
     def add_phase(self, phase: str, seconds: float) -> None:
         self.phase_s[phase] = self.phase_s.get(phase, 0.0) + seconds
@@ -54,4 +55,5 @@ class StageMetrics:
         }
         for phase, s in sorted(self.phase_s.items()):
             out[f"{prefix}/reconfig_{phase}_s"] = s
+        out.update(self.planner)
         return out

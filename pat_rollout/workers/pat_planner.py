@@ -8,9 +8,10 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from pat_rollout.config import PatRolloutConfig
-from pat_rollout.engine.base import RunningInfo
+from pat_rollout.engine.base import EngineSnapshot, RunningInfo, StepResult
 from pat_rollout.kv.cost import HandoffCost
 from pat_rollout.planner import ClusterState, Planner, ReqProgress
+from pat_rollout.planner.calibration import PollSample
 from pat_rollout.profile.model import BUILTIN_PROFILES, DATA_DIR, LatencyModel
 from pat_rollout.types import ModelSpec, Request
 
@@ -70,3 +71,30 @@ def cluster_state(step: int, num_devices: int, tp: int, requests: Mapping[str, R
                                 max_new_tokens=req.sampling.max_new_tokens,
                                 replica=assignment.get(rid) if assignment else None))
     return ClusterState(step=step, num_devices=num_devices, tp=tp, requests=tuple(reqs))
+
+
+def start_state(num_devices: int, tp: int, requests: list[Request], prompt_keys: Mapping[str, str]) -> ClusterState:
+    """The planner's view of a batch about to be dispatched (nothing generated, replicas not chosen yet)."""
+    return ClusterState(step=0, num_devices=num_devices, tp=tp, requests=tuple(
+        ReqProgress(request_id=r.request_id, prompt_key=prompt_keys.get(r.request_id),
+                    num_prompt_tokens=len(r.prompt_token_ids), num_output_tokens=0,
+                    max_new_tokens=r.sampling.max_new_tokens) for r in requests))
+
+
+def poll_sample(tp: int, results: Mapping[int, tuple[StepResult, EngineSnapshot]], elapsed_s: float) -> PollSample | None:
+    """What one poll measured, for calibration: per busy replica its mean batch over the poll and its mean context;
+    None when the poll also prefilled (a different cost: a request that has generated no more tokens than the poll
+    ran steps started in it) or no replica ran a full poll."""
+    num_steps = max((step.num_steps for step, _ in results.values()), default=0)
+    if elapsed_s <= 0 or any(step.num_prefill_tokens or any(i.num_output_tokens <= num_steps for i in snap.running)
+                             for step, snap in results.values()):
+        return None
+    replicas = []
+    for step, snap in results.values():
+        if step.num_steps != num_steps or not snap.running:
+            continue  # drained during the poll: the others set the poll's time
+        context = sum(i.num_prompt_tokens + i.num_output_tokens for i in snap.running) / len(snap.running)
+        replicas.append((step.num_decode_tokens / num_steps, max(0.0, context - num_steps / 2.0)))
+    if num_steps < 1 or not replicas:
+        return None
+    return PollSample(tp=tp, replicas=tuple(replicas), num_steps=num_steps, elapsed_s=elapsed_s)

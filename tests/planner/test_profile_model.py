@@ -85,6 +85,8 @@ def test_small_tp_wins_at_large_batch_large_tp_at_small(h100: LatencyModel) -> N
     (lambda d: d["decode"][0].update(step_s="fast"), r"decode\[0\].step_s"),
     (lambda d: d["prefill"][0].update(tp=2), "prefill tps"),
     (lambda d: d["reshard"].update(bandwidth_bytes_per_s=0), "reshard.bandwidth_bytes_per_s=0.0"),
+    (lambda d: d["decode"][1].update(step_s_range=[0.2, 0.1]), r"decode\[1\].step_s_range=\[0.2, 0.1\]"),
+    (lambda d: d["decode"][1].update(step_s_range=[0.1]), r"decode\[1\].step_s_range"),
 ])
 def test_bad_profiles_name_the_field(mutate, match) -> None:
     d = copy.deepcopy(_tiny())
@@ -100,3 +102,12 @@ def test_bad_file_and_unknown_tp(tmp_path, h100: LatencyModel) -> None:
         LatencyModel.from_json(p)
     with pytest.raises(ValueError, match=r"tp=3 is not in the profile"):
         h100.decode_step_s(3, 1, 1)
+
+
+def test_measured_cpu_profile_records_its_spread_and_machine() -> None:
+    """The shipped CPU profile was measured as the pool runs (all replicas at once, repeated): every point has its
+    spread, which brackets it, and the meta says on what machine."""
+    d = json.loads((DATA_DIR / "cpu_ref_llama_demo.json").read_text())
+    assert d["meta"]["source"] == "measured" and "Xeon" in d["meta"]["hardware"] and "at once" in d["meta"]["notes"]
+    assert all(p["step_s_range"][0] <= p["step_s"] <= p["step_s_range"][1] for p in d["decode"])
+    assert LatencyModel.from_dict(d).tps == (1, 2)

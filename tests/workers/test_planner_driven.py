@@ -10,7 +10,9 @@ from pat_rollout.workers.driver import RolloutDriver
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
-PLANNER = {"eval_every_steps": 2, "min_steps_between_switches": 2, "min_gain_s": 0.0, "min_gain_ratio": 0.0}
+# Mid-stage switching on the hand-made profile alone: no starting-layout choice, no correction from measured times.
+PLANNER = {"eval_every_steps": 2, "min_steps_between_switches": 2, "min_gain_s": 0.0, "min_gain_ratio": 0.0,
+           "start_layout": False, "calibrate": False}
 
 
 def test_planner_reconfigures_when_batch_drains(ray_cluster, tiny_models, tiny_profile):
@@ -56,3 +58,39 @@ def test_unknown_planner_option_is_rejected(tiny_models, tiny_profile):
     with pytest.raises(ValueError, match=r"unknown planner option\(s\) \['bogus'\]"):
         RolloutDriver(pool_config(tiny_models["llama"], policy="pat", profile_path=tiny_profile,
                                   planner={"bogus": 1}))
+
+
+def test_stage_starts_in_the_layout_its_batch_favours_and_reports_calibration(ray_cluster, tiny_models,
+                                                                              tiny_profile):
+    from pat_rollout.planner.calibration import PollSample, ReconfigSample
+
+    # The hand-made profile: TP2 wins 1-2 requests, 2 x TP1 wins 8. Calibration records but does not correct, so
+    # the choices follow the profile whatever this machine's timings.
+    planner = {**PLANNER, "start_layout": True}
+    few, many = skewed_requests(n=2, long_len=24), skewed_requests(n=8, long_len=8, short_len=6, seed=1)
+    static = RolloutDriver(pool_config(tiny_models["llama"], policy="static"))
+    try:
+        reference = static.generate(few) + static.generate(many)
+    finally:
+        static.shutdown()
+    driver = RolloutDriver(pool_config(tiny_models["llama"], policy="pat", profile_path=tiny_profile,
+                                       planner=planner))
+    try:
+        outputs = driver.generate(few)
+        m1 = driver.stage_metrics()
+        outputs += driver.generate(many)
+        m2 = driver.stage_metrics()
+        samples = list(driver.samples)
+    finally:
+        driver.shutdown()
+    assert [o.token_ids for o in outputs] == [o.token_ids for o in reference]
+    first = [step.split("[")[0] for step in m1["pat/layouts"].split(" -> ")]
+    assert first == ["2xTP1", "1xTP2"] and m1["pat/num_reconfigs"] == 1, m1
+    assert m1["pat/num_migrated"] + m1["pat/num_recomputed"] == 0  # switched before dispatch: nothing handed off
+    second = [step.split("[")[0] for step in m2["pat/layouts"].split(" -> ")]
+    assert second[:2] == ["1xTP2", "2xTP1"], m2  # shrinks for the bigger batch, before dispatching it
+    assert m1["pat/calibration_polls"] >= 1 and m1["pat/profile_error"] > 0 and "pat/calibrated_error" in m1
+    assert m1["pat/overhead_error_s"] >= 0 and "pat/overhead_bias_tp1_tp2_s" in m1 and m1["pat/start_explored"] == 0
+    assert {(s.tp_src, s.tp_dst) for s in samples if isinstance(s, ReconfigSample)} == {(1, 2), (2, 1)}
+    polls = [s for s in samples if isinstance(s, PollSample)]
+    assert {s.tp for s in polls} == {1, 2} and all(s.num_steps == 2 for s in polls)
