@@ -1,0 +1,68 @@
+"""Predicted (simulator) vs measured (reference engine) generation time, side by side. Pure stdlib: reads the
+measurements `sim_validate.measure` wrote."""
+
+from __future__ import annotations
+
+import statistics
+
+from pat_rollout.planner.policy import Planner, PlannerConfig
+from pat_rollout.profile.model import LatencyModel
+from pat_rollout.sim.hardware import SimHardware, ref_cpu_hardware
+from pat_rollout.sim.policies import PlannerPolicy, StaticPolicy, handoff_from_profile, run_policy
+from pat_rollout.sim.simulator import SimResult
+from pat_rollout.sim.traces import Trace, TraceRecord
+
+TOLERANCE = 0.15
+
+
+def trace_of(spec: list[list[int]], name: str) -> Trace:
+    """The batch as a trace: each request's own max_new_tokens is its length (ignore_eos), as the driver sees."""
+    recs = tuple(TraceRecord(prompt_id=f"{name}-{i}", prompt_len=p, response_len=n, max_new_tokens=n)
+                 for i, (p, n) in enumerate(spec))
+    return Trace(name=name, records=recs, max_new_tokens=max(n for _, n in spec))
+
+
+def predict(hw: SimHardware, cfg_name: str, policy: str, tp: int, planner_profile: str | None, trace: Trace,
+            planner_options: dict) -> SimResult:
+    if policy == "static":
+        return run_policy(hw, trace, StaticPolicy(tp, name=cfg_name), num_devices=2)
+    model = LatencyModel.from_json(planner_profile)
+    planner = Planner(model, PlannerConfig(candidate_tps=(1, 2), **planner_options))
+    return run_policy(hw, trace, PlannerPolicy(planner, tp, None, name=cfg_name), num_devices=2,
+                      handoff=handoff_from_profile(model))
+
+
+def report(measured: dict, profiles: list[str], poll_overhead_s: float = 0.0,
+           concurrency_slowdown: float = 1.0) -> list[float]:
+    """Print the table per truth profile; returns every relative error (predicted / measured - 1)."""
+    from pat_rollout.bench.sim_validate import CONFIGS, EAGER
+
+    meta = measured["meta"]
+    errors = []
+    for prof_name in profiles:
+        truth = LatencyModel.from_json(prof_name)
+        hw = ref_cpu_hardware(truth, tps=(1, 2), num_kv_blocks=meta["num_kv_blocks"], block_size=16,
+                              steps_per_poll=meta["steps_per_poll"], poll_overhead_s=poll_overhead_s,
+                              concurrency_slowdown=concurrency_slowdown)
+        print(f"\nsimulator truth: profile {prof_name} ({truth.meta['notes'][:60]}...), poll overhead "
+              f"{poll_overhead_s * 1e3:.1f} ms, concurrency slowdown {concurrency_slowdown:.2f}")
+        print(f"{'batch':<30} {'config':<18} {'measured s':>10} {'min-max':>12} {'n':>2} {'predicted s':>11} "
+              f"{'error':>7}  predicted layouts")
+        for bname, spec in meta["batches"].items():
+            trace = trace_of(spec, bname[:4])
+            for cname, (policy, tp, planner_profile) in CONFIGS.items():
+                runs = measured["runs"].get(cname, {}).get(bname, [])
+                if not runs:
+                    continue
+                times = [r["seconds"] for r in runs]
+                med = statistics.median(times)
+                pred = predict(hw, cname, policy, tp, planner_profile, trace, EAGER if policy == "pat" else {})
+                err = pred.latency_s / med - 1
+                errors.append(err)
+                flag = "" if abs(err) <= TOLERANCE else "  MISS"
+                print(f"{bname:<30} {cname:<18} {med:>10.2f} {min(times):>5.2f}-{max(times):<6.2f} {len(times):>2} "
+                      f"{pred.latency_s:>11.2f} {err * 100:>+6.1f}%  {pred.layouts_str()}{flag}")
+        inside = sum(abs(e) <= TOLERANCE for e in errors)
+        print(f"within +-{TOLERANCE:.0%}: {inside}/{len(errors)}; median |error| "
+              f"{statistics.median(abs(e) for e in errors) * 100:.1f}%")
+    return errors
