@@ -7,7 +7,6 @@ bracket is true) scaled by (1 + planner_error). The planner predicts lengths wit
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 from pat_rollout.planner.policy import Planner, PlannerConfig
@@ -83,10 +82,16 @@ def format_table(cmp: Comparison) -> str:
     return "\n".join(lines)
 
 
-def summary_line(cmp: Comparison, results: Sequence[SimResult] | None = None) -> str:
-    q = cmp.ratios()
-    return (f"PAT vs best static {q['pat_vs_best_static']:.3f}x, vs verl TP{cmp.verl_tp} {q['pat_vs_verl']:.3f}x, "
-            f"vs oracle {q['pat_vs_oracle']:.3f}x (oracle vs best static {q['oracle_vs_best_static']:.3f}x)")
+def summary_line(cmp: Comparison) -> str:
+    by = cmp.by()
+    pat = by["pat"].latency_s
+    best = cmp.best_static()
+    out = (f"PAT vs best static ({best.policy}) {pat / best.latency_s:.3f}x, vs verl TP{cmp.verl_tp} "
+           f"{pat / by[f'static-tp{cmp.verl_tp}'].latency_s:.3f}x")
+    if "oracle" in by:
+        out += (f", vs oracle {pat / by['oracle'].latency_s:.3f}x (oracle vs best static "
+                f"{by['oracle'].latency_s / best.latency_s:.3f}x)")
+    return out
 
 
 def gpu_setup(gpu: str, model: str, variant: str, *, planner_variant: str = "central", planner_error: float = 0.0,

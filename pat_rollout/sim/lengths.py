@@ -105,7 +105,7 @@ def synth_lengths(mean: float, maximum: float, n: int, cap: int, clip_ratio: flo
     `minimum`, `clip_ratio` of them at the cap."""
     if not 0 < mean <= maximum:
         raise ValueError(f"need 0 < mean={mean} <= max={maximum}")
-    z = NormalDist().inv_cdf(1 - 1 / (n + 1))
+    z = NormalDist().inv_cdf((n - 0.5) / n)  # the largest of the n quantiles below
     r = math.log(maximum / mean)
     disc = z * z - 2 * r
     s = z - math.sqrt(disc) if disc > 0 else z
