@@ -22,14 +22,22 @@ def trace_of(spec: list[list[int]], name: str) -> Trace:
     return Trace(name=name, records=recs, max_new_tokens=max(n for _, n in spec))
 
 
-def predict(hw: SimHardware, cfg_name: str, policy: str, tp: int, planner_profile: str | None, trace: Trace,
-            planner_options: dict) -> SimResult:
-    if policy == "static":
-        return run_policy(hw, trace, StaticPolicy(tp, name=cfg_name), num_devices=2)
-    model = LatencyModel.from_json(planner_profile)
-    planner = Planner(model, PlannerConfig(candidate_tps=(1, 2), **planner_options))
-    return run_policy(hw, trace, PlannerPolicy(planner, tp, None, name=cfg_name), num_devices=2,
-                      handoff=handoff_from_profile(model))
+def predict_sequence(hw: SimHardware, cfg_name: str, policy: str, tp: int, planner_profile: str | None,
+                     traces: list[Trace], planner_options: dict) -> list[SimResult]:
+    """Simulate the stages one driver runs in order (warm-up first): each stage starts where the previous one
+    ended, and the driver returns to the base layout inside the next stage's time, as RolloutDriver does."""
+    planner = handoff = None
+    if policy == "pat":
+        model = LatencyModel.from_json(planner_profile)
+        planner = Planner(model, PlannerConfig(candidate_tps=(1, 2), **planner_options))
+        handoff = handoff_from_profile(model)
+    out, prev = [], None
+    for trace in traces:
+        pol = StaticPolicy(tp, name=cfg_name) if planner is None else PlannerPolicy(planner, tp, None, name=cfg_name)
+        res = run_policy(hw, trace, pol, num_devices=2, handoff=handoff, prev_tp=prev)
+        prev = res.schedule[-1][1]
+        out.append(res)
+    return out
 
 
 def report(measured: dict, profiles: list[str], poll_overhead_s: float = 0.0,
@@ -48,15 +56,19 @@ def report(measured: dict, profiles: list[str], poll_overhead_s: float = 0.0,
               f"{poll_overhead_s * 1e3:.1f} ms, concurrency slowdown {concurrency_slowdown:.2f}")
         print(f"{'batch':<30} {'config':<18} {'measured s':>10} {'min-max':>12} {'n':>2} {'predicted s':>11} "
               f"{'error':>7}  predicted layouts")
-        for bname, spec in meta["batches"].items():
-            trace = trace_of(spec, bname[:4])
-            for cname, (policy, tp, planner_profile) in CONFIGS.items():
+        names = list(meta["batches"])
+        warm = [[p, n] for p, n in meta["batches"][names[0]][-2:]]
+        traces = [trace_of(warm, "warm")] + [trace_of(meta["batches"][b], b[:4]) for b in names]
+        preds = {cname: predict_sequence(hw, cname, policy, tp, prof, traces, EAGER if policy == "pat" else {})[1:]
+                 for cname, (policy, tp, prof) in CONFIGS.items()}
+        for k, bname in enumerate(names):
+            for cname in CONFIGS:
                 runs = measured["runs"].get(cname, {}).get(bname, [])
                 if not runs:
                     continue
                 times = [r["seconds"] for r in runs]
                 med = statistics.median(times)
-                pred = predict(hw, cname, policy, tp, planner_profile, trace, EAGER if policy == "pat" else {})
+                pred = preds[cname][k]
                 err = pred.latency_s / med - 1
                 errors.append(err)
                 flag = "" if abs(err) <= TOLERANCE else "  MISS"

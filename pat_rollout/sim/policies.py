@@ -120,6 +120,7 @@ def oracle(hw: SimHardware, trace: Trace, *, num_devices: int, tps: Sequence[int
     return best[0]
 
 
-def run_policy(hw: SimHardware, trace: Trace, policy, *, num_devices: int,
-               handoff: HandoffCost | None = None) -> SimResult:
-    return Sim(hw, trace, num_devices=num_devices, policy=policy, handoff=handoff).run().result(policy.name)
+def run_policy(hw: SimHardware, trace: Trace, policy, *, num_devices: int, handoff: HandoffCost | None = None,
+               prev_tp: int | None = None) -> SimResult:
+    return Sim(hw, trace, num_devices=num_devices, policy=policy, handoff=handoff,
+               prev_tp=prev_tp).run().result(policy.name)

@@ -83,7 +83,9 @@ class Sim:
     """State of one stage under one policy; `run()` to the end (or until `stop(sim)` holds at a poll)."""
 
     def __init__(self, hw: SimHardware, trace: Trace, *, num_devices: int, policy: Policy,
-                 handoff: HandoffCost | None = None) -> None:
+                 handoff: HandoffCost | None = None, prev_tp: int | None = None) -> None:
+        """`prev_tp`: the layout the previous stage ended in; the driver returns to the stage's initial layout
+        first (a reconfiguration with no requests), inside this stage's time."""
         self.hw = hw
         self.num_devices = num_devices
         self.policy = policy
@@ -103,6 +105,10 @@ class Sim:
         self._check_tp(self.tp)
         self.schedule: list[tuple[float, int]] = [(0.0, self.tp)]
         self.replicas = [Replica(hw, self.tp) for _ in range(num_devices // self.tp)]
+        if prev_tp is not None and prev_tp != self.tp:
+            self.t = self.overhead = self._phase_s(prev_tp, self.tp, 0)
+            for rep in self.replicas:
+                rep.t = self.t
         self.where: dict[str, int] = {}
         for r, rep in zip(reqs, assign_new([0] * len(self.replicas), [1] * len(reqs))):  # least-inflight
             self.replicas[rep].waiting.append(r)
@@ -186,13 +192,8 @@ class Sim:
             self.num_preempted += rep.num_preempted
             self.prefill_tokens += rep.prefill_tokens
         reqs = [r for rep in self.replicas for r in rep.export()]
-        rc = self.hw.reconfig
-        w = self.hw.param_bytes
-        cost = rc.fixed_s + rc.reshard_fixed_s + max(0.0, w / tp - w / self.tp) / rc.reshard_bytes_per_s + rc.switch_s
         migrate = [r for r in reqs if r.cached and self._migrates(r, tp)]
-        if migrate:
-            nbytes = sum((r.prompt_len + r.g) * self.hw.kv_bytes_per_token for r in migrate)
-            cost += rc.kv_latency_s + nbytes / self.num_devices / rc.kv_bytes_per_s
+        cost = self._phase_s(self.tp, tp, sum((r.prompt_len + r.g) * self.hw.kv_bytes_per_token for r in migrate))
         self._base_step = self.step
         self.tp = tp
         self.t = t0 + cost
@@ -210,6 +211,15 @@ class Sim:
         self.schedule.append((t0, tp))
         if action.decision is not None:
             self.decisions.append(action.decision)
+
+    def _phase_s(self, src: int, dst: int, migrate_bytes: float) -> float:
+        """True time of the phases of one reconfiguration src -> dst moving `migrate_bytes` of KV."""
+        rc = self.hw.reconfig
+        w = self.hw.param_bytes
+        cost = rc.fixed_s + rc.reshard_fixed_s + max(0.0, w / dst - w / src) / rc.reshard_bytes_per_s + rc.switch_s
+        if migrate_bytes > 0:
+            cost += rc.kv_latency_s + migrate_bytes / self.num_devices / rc.kv_bytes_per_s
+        return cost
 
     def _migrates(self, r: SimReq, tp: int) -> bool:
         """The driver's hand-off rule (kv/cost.py) with the planner's constants; no cost model: recompute."""
