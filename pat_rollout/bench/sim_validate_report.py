@@ -3,16 +3,24 @@ measurements `sim_validate.measure` wrote."""
 
 from __future__ import annotations
 
+import json
 import statistics
+from pathlib import Path
 
 from pat_rollout.planner.policy import Planner, PlannerConfig
-from pat_rollout.profile.model import LatencyModel
-from pat_rollout.sim.hardware import SimHardware, ref_cpu_hardware
+from pat_rollout.profile.model import BUILTIN_PROFILES, DATA_DIR, LatencyModel
+from pat_rollout.sim.hardware import FittedStepModel, SimHardware, ref_cpu_hardware
 from pat_rollout.sim.policies import PlannerPolicy, StaticPolicy, handoff_from_profile, run_policy
 from pat_rollout.sim.simulator import SimResult
 from pat_rollout.sim.traces import Trace, TraceRecord
 
 TOLERANCE = 0.15
+
+
+def _path(name: str) -> Path:
+    if name in BUILTIN_PROFILES:
+        return DATA_DIR / BUILTIN_PROFILES[name]
+    return Path(name) if Path(name).is_file() else DATA_DIR / f"{name}.json"
 
 
 def trace_of(spec: list[list[int]], name: str) -> Trace:
@@ -41,7 +49,7 @@ def predict_sequence(hw: SimHardware, cfg_name: str, policy: str, tp: int, plann
 
 
 def report(measured: dict, profiles: list[str], poll_overhead_s: float = 0.0,
-           concurrency_slowdown: float = 1.0) -> list[float]:
+           concurrency_slowdown: float = 1.0, fitted: bool = True) -> list[float]:
     """Print the table per truth profile; returns every relative error (predicted / measured - 1)."""
     from pat_rollout.bench.sim_validate import CONFIGS, EAGER
 
@@ -49,11 +57,13 @@ def report(measured: dict, profiles: list[str], poll_overhead_s: float = 0.0,
     errors = []
     for prof_name in profiles:
         truth = LatencyModel.from_json(prof_name)
+        step = FittedStepModel.from_dict(json.loads(Path(_path(prof_name)).read_text())) if fitted else None
         hw = ref_cpu_hardware(truth, tps=(1, 2), num_kv_blocks=meta["num_kv_blocks"], block_size=16,
                               steps_per_poll=meta["steps_per_poll"], poll_overhead_s=poll_overhead_s,
-                              concurrency_slowdown=concurrency_slowdown)
-        print(f"\nsimulator truth: profile {prof_name} ({truth.meta['notes'][:60]}...), poll overhead "
-              f"{poll_overhead_s * 1e3:.1f} ms, concurrency slowdown {concurrency_slowdown:.2f}")
+                              concurrency_slowdown=concurrency_slowdown, step=step)
+        print(f"\nsimulator truth: profile {prof_name} ({truth.meta['notes'][:60]}...), step model "
+              f"{'least-squares fit of its points' if fitted else 'its monotone envelope (as the planner reads it)'}"
+              f", poll overhead {poll_overhead_s * 1e3:.1f} ms, concurrency slowdown {concurrency_slowdown:.2f}")
         print(f"{'batch':<30} {'config':<18} {'measured s':>10} {'min-max':>12} {'n':>2} {'predicted s':>11} "
               f"{'error':>7}  predicted layouts")
         names = list(meta["batches"])

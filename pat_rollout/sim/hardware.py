@@ -3,6 +3,8 @@ driver's poll loop and the reconfiguration's phases. Separate from the profile t
 
 from __future__ import annotations
 
+import bisect
+import statistics
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -133,12 +135,13 @@ def gpu_hardware(profile: LatencyModel, step: StepModel, *, tps: tuple[int, ...]
 
 def ref_cpu_hardware(profile: LatencyModel, *, tps: tuple[int, ...], num_kv_blocks: int, block_size: int,
                      steps_per_poll: int, max_num_seqs: int = 256, max_prefill_tokens: int = 2048,
-                     poll_overhead_s: float = 0.0, concurrency_slowdown: float = 1.0) -> SimHardware:
+                     poll_overhead_s: float = 0.0, concurrency_slowdown: float = 1.0,
+                     step: StepModel | None = None) -> SimHardware:
     """The reference engine on the CPU pool under RolloutDriver, with a profile measured there as the truth.
     num_kv_blocks is per rank and every rank holds its share of the heads: a replica holds the same number of
     tokens at every TP (the capacity rule with the engine's fixed block pool)."""
     shape = profile.model
-    return SimHardware(name=f"{profile.meta['hardware']} / {profile.meta['model']}", step=profile,
+    return SimHardware(name=f"{profile.meta['hardware']} / {profile.meta['model']}", step=step or profile,
                        param_bytes=shape.param_bytes, kv_bytes_per_token=shape.kv_bytes_per_token(),
                        kv_tokens={tp: num_kv_blocks * block_size for tp in tps},
                        scheduler=SchedulerModel(kind="ref", max_num_seqs=max_num_seqs,
@@ -146,3 +149,54 @@ def ref_cpu_hardware(profile: LatencyModel, *, tps: tuple[int, ...], num_kv_bloc
                        driver=DriverModel(lockstep=True, steps_per_poll=steps_per_poll, poll_overhead_s=poll_overhead_s,
                                           concurrency_slowdown=concurrency_slowdown),
                        reconfig=ReconfigModel.from_profile(profile))
+
+
+class FittedStepModel:
+    """True step times of a measured pool, robust to single bad profile points: per TP size,
+    step_s(batch, context) = f(batch) + k * batch * context, with k the median over batch rows of each row's
+    least-squares slope in batch * context (>= 0), and f at each profiled batch the median over that row's points
+    of step_s - k * batch * context, linear between profiled batches (and beyond, with the last segment's slope).
+    Point values are the `step_s_range` minimum where the profiler recorded one (the least disturbed repeat).
+    A profile point is one noisy measurement; the LatencyModel the planner reads takes a monotone envelope of the
+    points, which turns one slow point (a layout's first, cold measurement) into a floor for every larger load.
+    Prefill is the profile's own linear entry."""
+
+    def __init__(self, points: dict[int, list[tuple[int, int, float]]], profile: LatencyModel) -> None:
+        self.rows: dict[int, tuple[list[int], list[float], float]] = {}
+        for tp, pts in points.items():
+            by_batch: dict[int, list[tuple[float, float]]] = {}
+            for b, c, st in pts:
+                by_batch.setdefault(b, []).append((float(b * c), st))
+            slopes = []
+            for xs in by_batch.values():
+                if len(xs) > 1:
+                    mx = sum(x for x, _ in xs) / len(xs)
+                    my = sum(y for _, y in xs) / len(xs)
+                    den = sum((x - mx) ** 2 for x, _ in xs)
+                    slopes.append(max(0.0, sum((x - mx) * (y - my) for x, y in xs) / den) if den else 0.0)
+            k = statistics.median(slopes) if slopes else 0.0
+            bs = sorted(by_batch)
+            self.rows[tp] = (bs, [statistics.median(y - k * x for x, y in by_batch[b]) for b in bs], k)
+        self.profile = profile
+
+    @classmethod
+    def from_dict(cls, d: dict) -> FittedStepModel:
+        pts: dict[int, list[tuple[int, int, float]]] = {}
+        for p in d["decode"]:
+            s = min(p["step_s_range"]) if p.get("step_s_range") else p["step_s"]
+            pts.setdefault(int(p["tp"]), []).append((int(p["batch"]), int(p["context"]), float(s)))
+        return cls(pts, LatencyModel.from_dict(d))
+
+    def decode_step_s(self, tp: int, batch: float, context: float) -> float:
+        if batch <= 0:
+            return 0.0
+        bs, f, k = self.rows[tp]
+        if len(bs) == 1 or batch <= bs[0]:
+            base = f[0]
+        else:
+            i = min(bisect.bisect_right(bs, batch) - 1, len(bs) - 2)
+            base = f[i] + (batch - bs[i]) * (f[i + 1] - f[i]) / (bs[i + 1] - bs[i])
+        return max(base, 1e-9) + k * batch * context
+
+    def prefill_s(self, tp: int, num_tokens: int) -> float:
+        return self.profile.prefill_s(tp, num_tokens)

@@ -143,3 +143,21 @@ def test_latency_model_is_a_step_model() -> None:
     hw, _ = gpu_setup("h100", "llama31_8b", "central")
     assert prof.decode_step_s(2, 64, 1024) == pytest.approx(hw.step.decode_step_s(2, 64, 1024), rel=0.02)
     assert oracle  # exported
+
+
+def test_fitted_step_model_is_exact_on_its_form_and_ignores_one_bad_point() -> None:
+    from pat_rollout.sim.hardware import FittedStepModel
+
+    def law(b: int, c: int) -> float:
+        return {1: 0.02, 4: 0.05, 16: 0.08}[b] + 1e-6 * b * c
+
+    d = LatencyModel.from_json("cpu_ref_llama_demo").to_dict()
+    d["decode"] = [{"tp": tp, "batch": b, "context": c, "step_s": law(b, c)}
+                   for tp in (1, 2) for b in (1, 4, 16) for c in (16, 128, 320)]
+    m = FittedStepModel.from_dict(d)
+    assert m.decode_step_s(1, 4, 200) == pytest.approx(law(4, 200))
+    assert m.decode_step_s(2, 10, 100) == pytest.approx(0.05 + 0.5 * 0.03 + 1e-6 * 10 * 100)
+    d["decode"][0]["step_s"] = 0.5  # one cold, slow point at tp1 batch 1 context 16
+    bad = FittedStepModel.from_dict(d)
+    assert bad.decode_step_s(1, 1, 128) == pytest.approx(law(1, 128), rel=0.05)
+    assert LatencyModel.from_dict(d).decode_step_s(1, 1, 128) == 0.5  # the envelope the planner reads
