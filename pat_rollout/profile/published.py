@@ -197,6 +197,14 @@ def write_published_profiles(out_dir: Path = DATA_DIR) -> list[Path]:
     paths = []
     for name, prof in all_published().items():
         path = out_dir / f"{name}.json"
-        path.write_text(json.dumps(prof, indent=1) + "\n")
+        path.write_text(_dumps(prof))
         paths.append(path)
     return paths
+
+
+def _dumps(prof: dict[str, Any]) -> str:
+    """JSON with one decode point per line (small diffs), everything else indented."""
+    body = {k: v for k, v in prof.items() if k != "decode"}
+    text = json.dumps(body, indent=1)
+    points = ",\n".join("  " + json.dumps(p) for p in prof["decode"])
+    return text[:-2] + ',\n "decode": [\n' + points + "\n ]\n}\n"
