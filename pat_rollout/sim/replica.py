@@ -253,17 +253,24 @@ class Replica:
             self._release(r)
             self.finished.append((self.t, r))
 
-    def export(self) -> list[SimReq]:
-        """Take every unfinished request out (running first, then waiting), KV freed; `cached` says whether
-        it had KV here."""
-        out = []
-        for r in list(self.running):
+    def export(self, rids: set[str] | None = None) -> list[SimReq]:
+        """Take the unfinished requests out (all, or those in `rids`; running first, then waiting), KV freed;
+        `cached` says whether each had KV here. A later action (e.g. moving some requests to another replica)
+        re-adds them with `import_cached` or by queueing them in `waiting`."""
+        out, keep_run, keep_wait = [], [], deque()
+        for r in self.running:
+            if rids is not None and r.rid not in rids:
+                keep_run.append(r)
+                continue
             was = r.cached
             self._release(r)
             r.cached = was
             out.append(r)
         for r in self.waiting:
+            if rids is not None and r.rid not in rids:
+                keep_wait.append(r)
+                continue
             r.cached = False
             out.append(r)
-        self.running, self.waiting = [], deque()
+        self.running, self.waiting = keep_run, keep_wait
         return out

@@ -161,3 +161,14 @@ def test_fitted_step_model_is_exact_on_its_form_and_ignores_one_bad_point() -> N
     bad = FittedStepModel.from_dict(d)
     assert bad.decode_step_s(1, 1, 128) == pytest.approx(law(1, 128), rel=0.05)
     assert LatencyModel.from_dict(d).decode_step_s(1, 1, 128) == 0.5  # the envelope the planner reads
+
+
+def test_export_some_requests_frees_only_their_kv() -> None:
+    rep = Replica(_hw(10_000), tp=1)
+    rep.waiting.extend([_req("a", 16, 40), _req("b", 16, 40), _req("c", 16, 40)])
+    rep.run(3)
+    used = rep.used
+    out = rep.export({"b"})
+    assert [r.rid for r in out] == ["b"] and out[0].cached and out[0].g == 3
+    assert [r.rid for r in rep.running] == ["a", "c"] and rep.used == used - 32  # b held 2 blocks of 16
+    assert rep.import_cached(out[0]) and rep.used == used
