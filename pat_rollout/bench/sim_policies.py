@@ -1,45 +1,75 @@
-"""Simulated stage latency of static TP, PAT and the oracle on the shipped 8-GPU H100 Llama-3.1-8B profile
-(published figures, not measurements) over a few seeds of the DeepScaleR-like and verl-like traces.
+"""Simulated stage latency of PAT vs static TP, verl's default TP and the oracle, per model x GPU x TP-cost
+variant x trace on 8 GPUs (published-figure profiles: SIMULATED, not measured).
 
-python -m pat_rollout.bench.sim_policies [--seeds 0,1,2] [--profile h100_llama31_8b]
+    python -m pat_rollout.bench.sim_policies [--lengths FILE] [--models llama31_8b,qwen3_14b] [--gpus h100,h200]
+
+Traces: DeepScaleR-like at 8k / 16k / 24k caps, verl-like (16k cap), and a user's own lengths file (default: the
+shipped example pat_rollout/sim/data/example_lengths.csv, last step). verl's default TP is 2 for both models:
+it is verl's rollout.tensor_model_parallel_size default and its 7-8B GRPO examples' setting; verl ships no
+Qwen3-14B example, and TP2 leaves KV room at 0.6 x 80 GB for 14B weights. The planner reads the central
+variant's profile whatever the truth is.
 """
 
 from __future__ import annotations
 
 import argparse
 import time
+from pathlib import Path
 
 from pat_rollout.planner.policy import PlannerConfig
-from pat_rollout.profile.model import LatencyModel
-from pat_rollout.sim.compare import compare, ratios
-from pat_rollout.sim.traces import deepscaler_like, verl_like
+from pat_rollout.profile.published import VARIANTS
+from pat_rollout.sim.compare import compare, gpu_setup
+from pat_rollout.sim.lengths import read_lengths
+from pat_rollout.sim.traces import Trace, deepscaler_like, verl_like
+
+EXAMPLE = Path(__file__).resolve().parents[1] / "sim" / "data" / "example_lengths.csv"
+
+
+def traces(lengths: str | None, seed: int) -> list[tuple[str, Trace]]:
+    out = [(f"deepscaler-{cap // 1024}k", deepscaler_like(max_new_tokens=cap, seed=seed)) for cap in (8192, 16384,
+                                                                                                    24576)]
+    out.append(("verl-like", verl_like(seed=seed)))
+    user = read_lengths(lengths or EXAMPLE)[-1]
+    out.append((f"file:{Path(lengths or EXAMPLE).stem}", user))
+    return out
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--profile", default="h100_llama31_8b")
-    ap.add_argument("--seeds", default="0,1,2")
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--lengths", help="a user's lengths file (see python -m pat_rollout.sim --help)")
+    ap.add_argument("--models", default="llama31_8b,qwen3_14b")
+    ap.add_argument("--gpus", default="h100,h200")
+    ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--num-devices", type=int, default=8)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--no-oracle", action="store_true")
     args = ap.parse_args(argv)
-    model = LatencyModel.from_json(args.profile)
     cfg = PlannerConfig(candidate_tps=(1, 2, 4, 8))
-    print(f"profile: {model.meta['model']} on {model.meta['hardware']} [source: {model.meta['source']}]")
-    print(f"{'trace':<11} {'seed':>4} {'mean_len':>8} {'best_static':>14} {'pat_s':>8} {'oracle_s':>8} "
-          f"{'pat/best':>8} {'orc/best':>8} {'pat/orc':>8} {'pat/tp1':>8} {'pat/tp2':>8}  pat layouts")
-    t0 = time.perf_counter()
-    for name, make in (("deepscaler", deepscaler_like), ("verl", verl_like)):
-        for seed in (int(s) for s in args.seeds.split(",")):
-            trace = make(seed=seed)
-            res = compare(model, trace, num_devices=args.num_devices, planner_config=cfg, initial_tp=1)
-            by = {r.policy: r for r in res}
-            best = min((r for r in res if r.policy.startswith("static")), key=lambda r: r.latency_s)
-            q = ratios(res)
-            print(f"{name:<11} {seed:>4} {trace.stats()['mean']:>8.0f} {best.policy + f' {best.latency_s:.1f}':>14} "
-                  f"{by['pat'].latency_s:>8.1f} {by['oracle'].latency_s:>8.1f} {q['pat_vs_best_static']:>8.3f} "
-                  f"{q['oracle_vs_best_static']:>8.3f} {q['pat_vs_oracle']:>8.3f} "
-                  f"{by['pat'].latency_s / by['static-tp1'].latency_s:>8.3f} "
-                  f"{by['pat'].latency_s / by['static-tp2'].latency_s:>8.3f}  {by['pat'].layouts_str()}")
-    print(f"(ratios < 1 mean PAT/oracle is faster; simulated in {time.perf_counter() - t0:.1f}s)")
+    t_all = time.perf_counter()
+    trs = traces(args.lengths, args.seed)
+    print("SIMULATED (published-figure profiles, see README 'Performance: measured and simulated'); "
+          f"{args.num_devices} GPUs, mem fraction 0.6, GRPO groups of 8; ratios < 1: PAT faster")
+    hdr = (f"{'model':<10} {'gpu':<4} {'variant':<7} {'trace':<16} {'mean':>5} {'best static':>13} {'verl tp2':>8} "
+           f"{'pat_s':>7} {'oracle':>7} {'pat/best':>8} {'pat/verl':>8} {'pat/orc':>7} {'tail%':>5}  pat layouts")
+    for model in args.models.split(","):
+        for gpu in args.gpus.split(","):
+            print("\n" + hdr)
+            for variant in args.variants.split(","):
+                hw, planner_model = gpu_setup(gpu, model, variant)
+                for name, trace in trs:
+                    cmp = compare(hw, planner_model, trace, num_devices=args.num_devices, planner_config=cfg,
+                                  with_oracle=not args.no_oracle)
+                    by, best, q = cmp.by(), cmp.best_static(), cmp.ratios() if not args.no_oracle else None
+                    pat = by["pat"]
+                    orc = f"{by['oracle'].latency_s:>7.1f}" if "oracle" in by else f"{'-':>7}"
+                    po = f"{q['pat_vs_oracle']:>7.3f}" if q else f"{'-':>7}"
+                    verl = by["static-tp2"].latency_s
+                    print(f"{model:<10} {gpu:<4} {variant:<7} {name:<16} {trace.stats()['mean']:>5.0f} "
+                          f"{best.policy[7:] + f' {best.latency_s:.1f}':>13} {verl:>8.1f} {pat.latency_s:>7.1f} "
+                          f"{orc} {pat.latency_s / best.latency_s:>8.3f} {pat.latency_s / verl:>8.3f} {po} "
+                          f"{pat.tail_share * 100:>5.1f}  {pat.layouts_str()}", flush=True)
+    print(f"\n(simulated in {time.perf_counter() - t_all:.0f}s; tail% = share of PAT's stage after 90% of responses "
+          "finished)")
 
 
 if __name__ == "__main__":

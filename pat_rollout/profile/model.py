@@ -13,8 +13,13 @@ JSON schema, version 1 (what `to_dict` writes and `from_dict` reads; a profiler 
       "prefill": [{"tp": int, "tokens_per_s": float, "fixed_s": float}, ...],
       "kv_transfer": {"bandwidth_bytes_per_s": float, "latency_s": float},
       "reshard": {"bandwidth_bytes_per_s": float, "fixed_s": float},
-      "group_switch_s": float
+      "group_switch_s": float,
+      "memory": {"hbm_bytes": float, "mem_fraction": float, "activation_reserve_bytes": float}  (optional)
     }
+
+Optional and additive: `meta` may hold more keys than the five strings above (e.g. "sources": which published
+figure each number comes from; kept as read), and "memory" describes one device for the KV-capacity rule
+(planner/capacity.py); without it the KV capacity is unknown.
 
 `decode` must hold, for every tp, a full rectangular grid of (batch, context) points. `context` is the
 mean number of tokens (prompt + generated) per running request; `step_s` is the wall time of one decode
@@ -35,9 +40,12 @@ from typing import Any
 SCHEMA_VERSION = 1
 SOURCES = ("measured", "published-figures")
 DATA_DIR = Path(__file__).resolve().parent / "data"
+# Published-figure profiles (profile/published.py; regenerate with write_published_profiles): one per GPU x model x
+# TP-cost variant; the short names are the central variant.
 BUILTIN_PROFILES = {
-    "h100_llama31_8b": "h100_llama31_8b_published.json",
-    "h100_qwen3_14b": "h100_qwen3_14b_published.json",
+    **{f"{g}_{m}_{v}": f"{g}_{m}_{v}.json" for g in ("h100", "h200") for m in ("llama31_8b", "qwen3_14b")
+       for v in ("low", "central", "high")},
+    **{f"{g}_{m}": f"{g}_{m}_central.json" for g in ("h100", "h200") for m in ("llama31_8b", "qwen3_14b")},
 }
 
 
@@ -78,10 +86,12 @@ def _segment(xs: tuple[int, ...], x: float) -> tuple[int, float]:
 class LatencyModel:
     """Decode/prefill/transfer latencies read from a profile (see the module docstring for the schema)."""
 
-    def __init__(self, *, meta: dict[str, str], model: ProfileModelShape, grids: dict[int, _Grid],
+    def __init__(self, *, meta: dict[str, Any], model: ProfileModelShape, grids: dict[int, _Grid],
                  prefill: dict[int, tuple[float, float]], kv_bandwidth: float, kv_latency_s: float,
-                 reshard_bandwidth: float, reshard_fixed_s: float, group_switch_s: float) -> None:
+                 reshard_bandwidth: float, reshard_fixed_s: float, group_switch_s: float,
+                 memory: dict[str, float] | None = None) -> None:
         self.meta = meta
+        self.memory = memory
         self.model = model
         self._grids = grids
         self._prefill = prefill
@@ -140,8 +150,10 @@ class LatencyModel:
 
     @classmethod
     def from_json(cls, path: str | Path) -> LatencyModel:
-        """Load a profile file, or a builtin name from BUILTIN_PROFILES (e.g. "h100_llama31_8b")."""
+        """Load a profile file, a builtin name from BUILTIN_PROFILES (e.g. "h100_llama31_8b") or data/<name>.json."""
         p = Path(DATA_DIR / BUILTIN_PROFILES[str(path)]) if str(path) in BUILTIN_PROFILES else Path(path)
+        if not p.is_file() and (DATA_DIR / f"{path}.json").is_file():  # e.g. "cpu_ref_llama_demo"
+            p = DATA_DIR / f"{path}.json"
         try:
             data = json.loads(p.read_text())
         except json.JSONDecodeError as e:
@@ -161,7 +173,8 @@ class LatencyModel:
         if version != SCHEMA_VERSION:
             raise ValueError(f"schema_version={version} is not supported; this reader knows {SCHEMA_VERSION}")
         meta_d = _req(d, "meta", dict, "")
-        meta = {k: _req(meta_d, k, str, "meta.") for k in ("hardware", "model", "backend", "source", "notes")}
+        meta = {**meta_d, **{k: _req(meta_d, k, str, "meta.") for k in ("hardware", "model", "backend", "source",
+                                                                         "notes")}}
         if meta["source"] not in SOURCES:
             raise ValueError(f"meta.source={meta['source']!r} must be one of {SOURCES}")
         md = _req(d, "model", dict, "")
@@ -192,17 +205,24 @@ class LatencyModel:
         for k, v in vals.items():
             if v < 0 or (k.endswith("bandwidth_bytes_per_s") and v == 0):
                 raise ValueError(f"{k}={v} must be {'> 0' if 'bandwidth' in k else '>= 0'}")
+        memory = None
+        if "memory" in d:
+            mem_d = _req(d, "memory", dict, "")
+            memory = {k: _num(mem_d, k, "memory.") for k in ("hbm_bytes", "mem_fraction", "activation_reserve_bytes")}
+            if memory["hbm_bytes"] <= 0 or not 0 < memory["mem_fraction"] <= 1 or memory["activation_reserve_bytes"] < 0:
+                raise ValueError(f"memory={memory}: hbm_bytes must be > 0, mem_fraction in (0, 1], "
+                                 f"activation_reserve_bytes >= 0")
         return cls(meta=meta, model=shape, grids=grids, prefill=prefill,
                    kv_bandwidth=vals["kv_transfer.bandwidth_bytes_per_s"], kv_latency_s=vals["kv_transfer.latency_s"],
                    reshard_bandwidth=vals["reshard.bandwidth_bytes_per_s"], reshard_fixed_s=vals["reshard.fixed_s"],
-                   group_switch_s=vals["group_switch_s"])
+                   group_switch_s=vals["group_switch_s"], memory=memory)
 
     def to_dict(self) -> dict[str, Any]:
         """The schema-v1 dict (the monotone envelope of the decode grid, as used)."""
         decode = [{"tp": tp, "batch": b, "context": c, "step_s": g.step_s[i][j]}
                   for tp, g in sorted(self._grids.items())
                   for i, b in enumerate(g.batches) for j, c in enumerate(g.contexts)]
-        return {
+        out = {
             "schema_version": SCHEMA_VERSION,
             "meta": dict(self.meta),
             "model": {k: getattr(self.model, k) for k in ProfileModelShape.__slots__},
@@ -212,6 +232,9 @@ class LatencyModel:
             "reshard": {"bandwidth_bytes_per_s": self.reshard_bandwidth, "fixed_s": self.reshard_fixed_s},
             "group_switch_s": self.group_switch_s,
         }
+        if self.memory is not None:
+            out["memory"] = dict(self.memory)
+        return out
 
 
 def _req(d: Any, key: str, typ: type, where: str) -> Any:
@@ -269,114 +292,3 @@ def _parse_grids(points: list[Any]) -> dict[int, _Grid]:
                 row[j] = max(row[j], row[j - 1])
         grids[tp] = _Grid(bs, cs, tuple(tuple(r) for r in rows))
     return grids
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Roofline profiles built from published figures (not measurements). The shipped JSON files are its output.
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class RooflineParams:
-    """Inputs of `build_roofline_profile`; every number is either a published figure or a stated assumption."""
-
-    hbm_bytes_per_s: float = 3.35e12  # H100 SXM HBM3 peak (published)
-    hbm_efficiency: float = 0.971  # fitted to the two SGLang batch-1 points, see notes
-    fixed_step_s: float = 2.402e-3  # fitted: per-step launch/scheduler time independent of batch and tp
-    flops_per_s: float = 600e12  # assumed sustained bf16 dense (H100 peak 989 TFLOP/s)
-    allreduce_latency_s: float = 5e-6  # SGLang custom all-reduce on NVLink, ~4-6 us (published)
-    allreduce_bytes_per_s: float = 300e9  # assumed ring bus bandwidth for larger all-reduces
-    per_request_host_s: float = 8e-6  # assumed per-request per-step scheduler/sampler time, serial per replica
-    prefill_fixed_s: float = 5e-3  # assumed
-    kv_bytes_per_s: float = 200e9  # assumed per-device NVLink send bandwidth for KV pages
-    kv_latency_s: float = 50e-6  # assumed
-    reshard_bytes_per_s: float = 300e9  # assumed per-device all-gather receive bandwidth
-    reshard_fixed_s: float = 2e-3  # assumed
-    group_switch_s: float = 0.02  # assumed: switch to a cached group + pre-captured CUDA graphs + resume
-
-
-def roofline_step_s(shape: ProfileModelShape, p: RooflineParams, tp: int, batch: int, context: int) -> float:
-    """t = fixed + max(memory, compute) + all-reduce + host, with
-    memory = (param_bytes / tp + batch * context * kv_bytes_per_token / min(tp, num_kv_heads)) / (HBM_BW * eff),
-    compute = 2 * (param_bytes / dtype_bytes) * batch / (tp * FLOPS),
-    all-reduce = [tp > 1] * 2 * num_layers * (lat + 2 (tp-1)/tp * batch * hidden * dtype_bytes / AR_BW),
-    host = batch * per_request_host_s."""
-    kv_shards = min(tp, shape.num_kv_heads)
-    mem = (shape.param_bytes / tp + batch * context * shape.kv_bytes_per_token() / kv_shards) / (
-        p.hbm_bytes_per_s * p.hbm_efficiency)
-    comp = 2 * (shape.param_bytes / shape.dtype_bytes) * batch / (tp * p.flops_per_s)
-    ar = 0.0
-    if tp > 1:
-        ar = 2 * shape.num_layers * (p.allreduce_latency_s + 2 * (tp - 1) / tp * batch * shape.hidden_size
-                                     * shape.dtype_bytes / p.allreduce_bytes_per_s)
-    return p.fixed_step_s + max(mem, comp) + ar + batch * p.per_request_host_s
-
-
-def build_roofline_profile(*, meta: dict[str, str], shape: ProfileModelShape, tps: tuple[int, ...],
-                           batches: tuple[int, ...], contexts: tuple[int, ...],
-                           params: RooflineParams = RooflineParams()) -> dict[str, Any]:
-    """A schema-v1 dict from `roofline_step_s` on the grid (source must be "published-figures")."""
-    decode = [{"tp": tp, "batch": b, "context": c, "step_s": round(roofline_step_s(shape, params, tp, b, c), 9)}
-              for tp in tps for b in batches for c in contexts]
-    flops_per_token = 2 * shape.param_bytes / shape.dtype_bytes
-    return {
-        "schema_version": SCHEMA_VERSION,
-        "meta": meta,
-        "model": {k: getattr(shape, k) for k in ProfileModelShape.__slots__},
-        "decode": decode,
-        "prefill": [{"tp": tp, "tokens_per_s": round(tp * params.flops_per_s / flops_per_token, 3),
-                     "fixed_s": params.prefill_fixed_s} for tp in tps],
-        "kv_transfer": {"bandwidth_bytes_per_s": params.kv_bytes_per_s, "latency_s": params.kv_latency_s},
-        "reshard": {"bandwidth_bytes_per_s": params.reshard_bytes_per_s, "fixed_s": params.reshard_fixed_s},
-        "group_switch_s": params.group_switch_s,
-    }
-
-
-_GRID_BATCHES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
-_GRID_CONTEXTS = (128, 512, 1024, 2048, 4096, 8192, 16384, 32768)
-_NOTES = (
-    "NOT MEASURED: a roofline built from published figures by pat_rollout.profile.model.published_profile({name!r}). "
-    "Anchors: SGLang Llama-3-8B batch-1 decode on H100 = 7.37 ms/step at TP1 and 3.35 ms/step at TP8 "
-    "(sglang issue #1008); SGLang custom all-reduce on NVLink ~4-6 us per small all-reduce (5 us used); "
-    "H100 SXM HBM3 3.35 TB/s. Formula: step_s = fixed + max(mem, compute) + allreduce + host, "
-    "mem = (param_bytes/tp + batch*context*kv_bytes_per_token/min(tp, num_kv_heads)) / (3.35e12 * eff), "
-    "compute = 2*num_params*batch/(tp*600e12), "
-    "allreduce = [tp>1]*2*num_layers*(5e-6 + 2(tp-1)/tp*batch*hidden*2/300e9), "
-    "host = batch*8e-6. eff=0.971 and fixed=2.402 ms are fitted so that Llama-3.1-8B at batch 1, context 512 "
-    "gives 7.37 ms (TP1) and 3.35 ms (TP8) (the context of those figures is not stated there; 512 is assumed); "
-    "TP2/TP4 and batch>1 come from the formula only. KV-cache capacity limits are not modelled. "
-    "Assumed, not published: 600 TFLOP/s sustained, 300 GB/s all-reduce bus bandwidth, 8 us per-request host "
-    "time per step (serial per replica: what makes many small replicas win at large batch), prefill = "
-    "5 ms + tokens * 2*num_params/(tp*600e12), KV migration 200 GB/s per device + 50 us, weight reshard "
-    "300 GB/s per device + 2 ms, group switch 20 ms.{extra}"
-)
-_PUBLISHED = {
-    "h100_llama31_8b": ("meta-llama/Llama-3.1-8B (bf16)", ProfileModelShape(
-        num_layers=32, hidden_size=4096, num_heads=32, num_kv_heads=8, head_dim=128,
-        param_bytes=2 * 8_030_261_248, dtype_bytes=2), ""),
-    "h100_qwen3_14b": ("Qwen/Qwen3-14B (bf16)", ProfileModelShape(
-        num_layers=40, hidden_size=5120, num_heads=40, num_kv_heads=8, head_dim=128,
-        param_bytes=2 * 14_768_296_960, dtype_bytes=2),
-        " Qwen3-14B: same hardware constants as the Llama-3.1-8B profile with this model's shape; no "
-        "Qwen3-14B latency figure was used to check it."),
-}
-
-
-def published_profile(name: str) -> dict[str, Any]:
-    """The schema-v1 dict of a builtin published-figures profile (what data/<file>.json holds)."""
-    if name not in _PUBLISHED:
-        raise ValueError(f"published profile {name!r} is unknown; known: {sorted(_PUBLISHED)}")
-    model, shape, extra = _PUBLISHED[name]
-    meta = {"hardware": "8x NVIDIA H100 SXM 80GB (NVLink)", "model": model, "backend": "sglang",
-            "source": "published-figures", "notes": _NOTES.format(name=name, extra=extra)}
-    return build_roofline_profile(meta=meta, shape=shape, tps=(1, 2, 4, 8), batches=_GRID_BATCHES,
-                                  contexts=_GRID_CONTEXTS)
-
-
-def write_published_profiles(out_dir: Path = DATA_DIR) -> list[Path]:
-    """Regenerate data/*.json from `published_profile` (run after changing RooflineParams)."""
-    out_dir.mkdir(parents=True, exist_ok=True)
-    paths = []
-    for name, fname in BUILTIN_PROFILES.items():
-        path = out_dir / fname
-        path.write_text(json.dumps(published_profile(name), indent=1) + "\n")
-        paths.append(path)
-    return paths

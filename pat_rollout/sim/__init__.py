@@ -1,14 +1,15 @@
-"""Simulation of one synchronous generation stage: response-length traces and a discrete-event simulator that
-compares static TP, the PAT planner and an oracle on a latency profile.
+"""Simulation of one synchronous generation stage: an independent ground truth (step times, KV capacity,
+admission/preemption, prefill, driver loop, reconfiguration phases: `hardware`, `replica`, `simulator`), policies
+plugged in through PollView -> action (`policies`), traces and length files (`traces`, `lengths`).
 
-Pure stdlib plus pat_rollout.planner and pat_rollout.profile.model (no torch, ray or sglang).
+Pure stdlib plus pat_rollout.planner, pat_rollout.kv.cost and pat_rollout.profile (no torch, ray or sglang).
 """
 
-from pat_rollout.sim.compare import compare, format_table, ratios
-from pat_rollout.sim.simulator import SimResult, simulate_oracle, simulate_pat, simulate_static
+from pat_rollout.sim.hardware import DriverModel, ReconfigModel, SchedulerModel, SimHardware, gpu_hardware
+from pat_rollout.sim.simulator import PollView, Reconfigure, Sim, SimResult
 from pat_rollout.sim.traces import Trace, TraceRecord, deepscaler_like, read_trace, uniform_trace, verl_like
 
 __all__ = [
-    "SimResult", "Trace", "TraceRecord", "compare", "deepscaler_like", "format_table", "ratios", "read_trace",
-    "simulate_oracle", "simulate_pat", "simulate_static", "uniform_trace", "verl_like",
+    "DriverModel", "PollView", "ReconfigModel", "Reconfigure", "SchedulerModel", "Sim", "SimHardware", "SimResult",
+    "Trace", "TraceRecord", "deepscaler_like", "gpu_hardware", "read_trace", "uniform_trace", "verl_like",
 ]

@@ -1,4 +1,13 @@
-"""python -m pat_rollout.sim --profile h100_llama31_8b --trace deepscaler --num-devices 8 [--seed 0]"""
+"""What would PAT save on my workload? Simulate one generation stage on published-figure GPU profiles.
+
+    python -m pat_rollout.sim --lengths FILE [--model llama31_8b] [--gpu h100] [--num-devices 8]
+    python -m pat_rollout.sim --trace deepscaler [--max-new-tokens 16384] [--seed 0]
+
+FILE: CSV or JSONL of response lengths (one row per response, or `response_lengths` lists per step), or a wandb
+CSV export with verl's `response_length/mean` and `/max` columns (see pat_rollout/sim/lengths.py). Prints, for
+each TP-cost variant (low / central / high: the published bracket), static TP, verl's default TP2, PAT and the
+oracle. Simulated, not measured: see the README section "Performance: measured and simulated".
+"""
 
 from __future__ import annotations
 
@@ -6,54 +15,69 @@ import argparse
 import time
 
 from pat_rollout.planner.policy import PlannerConfig
-from pat_rollout.profile.model import BUILTIN_PROFILES, LatencyModel
-from pat_rollout.sim.compare import compare, format_table, ratios
-from pat_rollout.sim.traces import deepscaler_like, read_trace, uniform_trace, verl_like
+from pat_rollout.profile.published import GPUS, MODELS, VARIANTS
+from pat_rollout.sim.compare import compare, format_table, gpu_setup, summary_line
+from pat_rollout.sim.lengths import LengthsOptions, read_lengths
+from pat_rollout.sim.traces import deepscaler_like, uniform_trace, verl_like
 
 SYNTHETIC = {"deepscaler": deepscaler_like, "verl": verl_like}
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(prog="python -m pat_rollout.sim", description=__doc__)
-    ap.add_argument("--profile", default="h100_llama31_8b",
-                    help=f"profile JSON path or builtin name {sorted(BUILTIN_PROFILES)}")
-    ap.add_argument("--trace", default="deepscaler",
-                    help="CSV/JSONL file (prompt_id, prompt_len, response_len) or deepscaler | verl | uniform")
+    ap = argparse.ArgumentParser(prog="python -m pat_rollout.sim", description=__doc__.splitlines()[0])
+    src = ap.add_mutually_exclusive_group()
+    src.add_argument("--lengths", help="CSV/JSONL of response lengths, or a wandb export CSV")
+    src.add_argument("--trace", default="deepscaler", help="synthetic: deepscaler | verl | uniform")
+    ap.add_argument("--model", default="llama31_8b", choices=sorted(MODELS))
+    ap.add_argument("--gpu", default="h100", choices=sorted(GPUS))
     ap.add_argument("--num-devices", type=int, default=8)
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--variants", default=",".join(VARIANTS), help="TP-cost variants of the truth")
+    ap.add_argument("--planner-variant", default="central", choices=VARIANTS)
+    ap.add_argument("--planner-error", type=float, default=0.0, help="planner's step times x (1 + this)")
+    ap.add_argument("--mem-fraction", type=float, default=None, help="default 0.6 (verl colocated rollout)")
+    ap.add_argument("--step", default="last", help="lengths files with RL steps: last | all | <step index>")
+    ap.add_argument("--max-new-tokens", type=int, default=None)
+    ap.add_argument("--samples-per-prompt", type=int, default=8)
+    ap.add_argument("--num-requests", type=int, default=1024, help="wandb export: responses per step")
+    ap.add_argument("--prompt-len", type=int, default=160, help="when the file has no prompt lengths")
     ap.add_argument("--num-prompts", type=int, default=128, help="synthetic traces: prompts per stage")
-    ap.add_argument("--samples-per-prompt", type=int, default=8, help="synthetic traces: responses per prompt")
-    ap.add_argument("--max-new-tokens", type=int, default=None, help="response cap (default 16384 / file max)")
-    ap.add_argument("--candidate-tps", default="1,2,4,8")
+    ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--initial-tp", type=int, default=1)
-    ap.add_argument("--eval-every-steps", type=int, default=64)
+    ap.add_argument("--no-oracle", action="store_true")
     args = ap.parse_args(argv)
 
-    model = LatencyModel.from_json(args.profile)
-    if args.trace in SYNTHETIC:
-        trace = SYNTHETIC[args.trace](num_prompts=args.num_prompts, samples_per_prompt=args.samples_per_prompt,
-                                      max_new_tokens=args.max_new_tokens or 16384, seed=args.seed)
+    if args.lengths:
+        traces = read_lengths(args.lengths, LengthsOptions(
+            max_new_tokens=args.max_new_tokens, prompt_len=args.prompt_len,
+            samples_per_prompt=args.samples_per_prompt, num_requests=args.num_requests))
+        if args.step == "last":
+            traces = traces[-1:]
+        elif args.step != "all":
+            traces = [traces[int(args.step)]]
+    elif args.trace in SYNTHETIC:
+        traces = [SYNTHETIC[args.trace](num_prompts=args.num_prompts, samples_per_prompt=args.samples_per_prompt,
+                                        max_new_tokens=args.max_new_tokens or 16384, seed=args.seed)]
     elif args.trace == "uniform":
-        trace = uniform_trace(num_requests=args.num_prompts * args.samples_per_prompt,
-                              max_new_tokens=args.max_new_tokens or 16384)
+        traces = [uniform_trace(num_requests=args.num_prompts * args.samples_per_prompt,
+                                max_new_tokens=args.max_new_tokens or 16384)]
     else:
-        trace = read_trace(args.trace, max_new_tokens=args.max_new_tokens)
-    cfg = PlannerConfig(candidate_tps=tuple(int(x) for x in args.candidate_tps.split(",")),
-                        eval_every_steps=args.eval_every_steps)
-    st = trace.stats()
-    print(f"profile: {model.meta['model']} on {model.meta['hardware']} [source: {model.meta['source']}]")
-    print(f"trace: {trace.name} seed={args.seed}: {st['num_requests']} requests, mean {st['mean']:.0f}, "
-          f"median {st['median']:.0f}, p90 {st['p90']}, max {st['max']} tokens, {st['frac_at_cap']:.1%} at cap "
-          f"{trace.max_new_tokens}; {args.num_devices} devices")
-    t0 = time.perf_counter()
-    results = compare(model, trace, num_devices=args.num_devices, planner_config=cfg, initial_tp=args.initial_tp)
-    print(format_table(results))
-    r = ratios(results)
-    print(f"PAT vs best static: {r['pat_vs_best_static']:.3f}x   oracle vs best static: "
-          f"{r['oracle_vs_best_static']:.3f}x   PAT vs oracle: {r['pat_vs_oracle']:.3f}x   "
-          f"(simulated in {time.perf_counter() - t0:.1f}s)")
-    for d in next(x for x in results if x.policy == "pat").decisions:
-        print(f"  pat step {d.step}: tp {d.source_tp} -> {d.target_tp}: {d.reason}")
+        ap.error(f"--trace {args.trace!r}: expected deepscaler, verl or uniform (or use --lengths FILE)")
+    cfg = PlannerConfig(candidate_tps=tuple(tp for tp in (1, 2, 4, 8) if args.num_devices % tp == 0))
+    for trace in traces:
+        st = trace.stats()
+        print(f"trace {trace.name}: {st['num_requests']} responses, mean {st['mean']:.0f}, median {st['median']:.0f}, "
+              f"p90 {st['p90']}, max {st['max']} tokens, {st['frac_at_cap']:.1%} at cap {trace.max_new_tokens}")
+        for variant in args.variants.split(","):
+            hw, planner_model = gpu_setup(args.gpu, args.model, variant, planner_variant=args.planner_variant,
+                                          planner_error=args.planner_error, mem_fraction=args.mem_fraction)
+            t0 = time.perf_counter()
+            cmp = compare(hw, planner_model, trace, num_devices=args.num_devices, planner_config=cfg,
+                          initial_tp=args.initial_tp, with_oracle=not args.no_oracle)
+            print(f"\n[{variant} TP-cost variant] {hw.name}, {args.num_devices} GPUs, KV tokens per replica "
+                  f"{hw.kv_tokens}; planner profile: {args.planner_variant} x {1 + args.planner_error:g} "
+                  "(SIMULATED from published figures, not measured)")
+            print(format_table(cmp))
+            print(summary_line(cmp) + f"  ({time.perf_counter() - t0:.1f}s)")
 
 
 if __name__ == "__main__":

@@ -1,47 +1,109 @@
-"""Run every policy on one trace and format the comparison table. Pure stdlib."""
+"""Build the truth and the planner's view for a (profile, trace), run every policy, format the table. Pure stdlib.
+
+The truth of a GPU pool is profile.published.GpuStepModel of the truth variant (exact formula) with the capacity
+rule; the planner reads a LatencyModel of the planner variant (default central: it cannot know which end of the
+bracket is true) scaled by (1 + planner_error). The planner predicts lengths with the project's predictor.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from dataclasses import dataclass
 
 from pat_rollout.planner.policy import Planner, PlannerConfig
 from pat_rollout.profile.model import LatencyModel
-from pat_rollout.sim.simulator import SimResult, simulate_oracle, simulate_pat, simulate_static
+from pat_rollout.sim.hardware import SimHardware
+from pat_rollout.sim.policies import PlannerPolicy, StaticPolicy, handoff_from_profile, oracle, run_policy
+from pat_rollout.sim.simulator import SimResult
 from pat_rollout.sim.traces import Trace
 
+VERL_DEFAULT_TP = 2  # verl's rollout.tensor_model_parallel_size default (also its 7-8B GRPO example scripts)
 
-def compare(model: LatencyModel, trace: Trace, *, num_devices: int, planner_config: PlannerConfig,
-            initial_tp: int, oracle_max_switches: int = 3) -> list[SimResult]:
-    """static-tp<x> for every candidate tp, then pat (starting at initial_tp), then oracle."""
+
+def scaled(model: LatencyModel, factor: float) -> LatencyModel:
+    """The same profile with every decode and prefill time multiplied by `factor` (a planner's model error)."""
+    d = model.to_dict()
+    for p in d["decode"]:
+        p["step_s"] *= factor
+    for p in d["prefill"]:
+        p["tokens_per_s"] /= factor
+        p["fixed_s"] *= factor
+    return LatencyModel.from_dict(d)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Comparison:
+    results: tuple[SimResult, ...]
+    verl_tp: int
+
+    def by(self) -> dict[str, SimResult]:
+        return {r.policy: r for r in self.results}
+
+    def best_static(self) -> SimResult:
+        return min((r for r in self.results if r.policy.startswith("static")), key=lambda r: r.latency_s)
+
+    def ratios(self) -> dict[str, float]:
+        by = self.by()
+        pat = by["pat"].latency_s
+        return {"pat_vs_best_static": pat / self.best_static().latency_s,
+                "pat_vs_verl": pat / by[f"static-tp{self.verl_tp}"].latency_s,
+                "pat_vs_oracle": pat / by["oracle"].latency_s,
+                "oracle_vs_best_static": by["oracle"].latency_s / self.best_static().latency_s}
+
+
+def compare(hw: SimHardware, planner_model: LatencyModel, trace: Trace, *, num_devices: int,
+            planner_config: PlannerConfig, initial_tp: int = 1, verl_tp: int = VERL_DEFAULT_TP,
+            with_oracle: bool = True) -> Comparison:
+    """static-tp<x> for each candidate tp that divides num_devices, pat, and the oracle."""
     tps = sorted(tp for tp in planner_config.candidate_tps if num_devices % tp == 0)
-    if initial_tp not in tps:
-        raise ValueError(f"initial_tp={initial_tp} must be one of the candidate tps {tps} that divide "
-                         f"num_devices={num_devices}")
-    out = [simulate_static(model, trace, num_devices=num_devices, tp=tp) for tp in tps]
-    out.append(simulate_pat(model, trace, num_devices=num_devices, planner=Planner(model, planner_config),
-                            initial_tp=initial_tp))
-    out.append(simulate_oracle(model, trace, num_devices=num_devices, candidate_tps=tps,
-                               max_switches=oracle_max_switches))
+    handoff = handoff_from_profile(planner_model)
+    out = [run_policy(hw, trace, StaticPolicy(tp), num_devices=num_devices) for tp in tps]
+    planner = Planner(planner_model, planner_config)
+    out.append(run_policy(hw, trace, PlannerPolicy(planner, initial_tp, trace), num_devices=num_devices,
+                          handoff=handoff))
+    if with_oracle:
+        out.append(oracle(hw, trace, num_devices=num_devices, tps=tps, handoff=handoff))
+    return Comparison(results=tuple(out), verl_tp=verl_tp)
+
+
+def format_table(cmp: Comparison) -> str:
+    """One row per policy: latency, vs best static / verl default / oracle, tail share, preemptions, layouts."""
+    by = cmp.by()
+    best = cmp.best_static().latency_s
+    oracle_s = by["oracle"].latency_s if "oracle" in by else None
+    verl = by.get(f"static-tp{cmp.verl_tp}")
+    lines = [f"{'policy':<12} {'latency_s':>10} {'vs_best':>8} {'vs_verl':>8} {'vs_orc':>8} {'tail%':>6} "
+             f"{'preempt':>7} {'reconf_s':>8}  layouts (TP@start)"]
+    for r in cmp.results:
+        vo = f"{(r.latency_s / oracle_s - 1) * 100:+.1f}%" if oracle_s else "-"
+        vv = f"{(r.latency_s / verl.latency_s - 1) * 100:+.1f}%" if verl else "-"
+        lines.append(f"{r.policy:<12} {r.latency_s:>10.2f} {(r.latency_s / best - 1) * 100:>+7.1f}% {vv:>8} "
+                     f"{vo:>8} {r.tail_share * 100:>5.1f}% {r.num_preempted:>7} {r.overhead_s:>8.3f}  "
+                     f"{r.layouts_str()}")
+    return "\n".join(lines)
+
+
+def summary_line(cmp: Comparison) -> str:
+    by = cmp.by()
+    pat = by["pat"].latency_s
+    best = cmp.best_static()
+    out = (f"PAT vs best static ({best.policy}) {pat / best.latency_s:.3f}x, vs verl TP{cmp.verl_tp} "
+           f"{pat / by[f'static-tp{cmp.verl_tp}'].latency_s:.3f}x")
+    if "oracle" in by:
+        out += (f", vs oracle {pat / by['oracle'].latency_s:.3f}x (oracle vs best static "
+                f"{by['oracle'].latency_s / best.latency_s:.3f}x)")
     return out
 
 
-def ratios(results: Sequence[SimResult]) -> dict[str, float]:
-    """pat / best static, oracle / best static and pat / oracle latency ratios."""
-    by = {r.policy: r.latency_s for r in results}
-    best_static = min(v for k, v in by.items() if k.startswith("static"))
-    return {"pat_vs_best_static": by["pat"] / best_static, "oracle_vs_best_static": by["oracle"] / best_static,
-            "pat_vs_oracle": by["pat"] / by["oracle"]}
+def gpu_setup(gpu: str, model: str, variant: str, *, planner_variant: str = "central", planner_error: float = 0.0,
+              mem_fraction: float | None = None) -> tuple[SimHardware, LatencyModel]:
+    """The truth (published-figure formula of `variant`) and the planner's profile (`planner_variant`'s builtin
+    profile times 1 + planner_error) for one GPU and model."""
+    from pat_rollout.profile.published import gpu_step_model, profile_name
+    from pat_rollout.sim.hardware import gpu_hardware
 
-
-def format_table(results: Sequence[SimResult]) -> str:
-    """One row per policy: latency, change vs the best static and vs the oracle, reconfigurations, layouts."""
-    by = {r.policy: r.latency_s for r in results}
-    best_static = min(v for k, v in by.items() if k.startswith("static"))
-    oracle = by.get("oracle")
-    lines = [f"{'policy':<12} {'latency_s':>10} {'vs_best_static':>15} {'vs_oracle':>10} {'reconfigs':>9} "
-             f"{'overhead_s':>10}  layouts (TP@start)"]
-    for r in results:
-        vs_o = f"{(r.latency_s / oracle - 1) * 100:+.1f}%" if oracle else "-"
-        lines.append(f"{r.policy:<12} {r.latency_s:>10.2f} {(r.latency_s / best_static - 1) * 100:>+14.1f}% "
-                     f"{vs_o:>10} {r.num_reconfigs:>9} {r.overhead_s:>10.3f}  {r.layouts_str()}")
-    return "\n".join(lines)
+    truth_profile = LatencyModel.from_json(profile_name(gpu, model, variant))
+    hw = gpu_hardware(truth_profile, gpu_step_model(gpu, model, variant), mem_fraction=mem_fraction)
+    planner_model = LatencyModel.from_json(profile_name(gpu, model, planner_variant))
+    if planner_error:
+        planner_model = scaled(planner_model, 1.0 + planner_error)
+    return hw, planner_model

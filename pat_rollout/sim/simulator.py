@@ -1,267 +1,243 @@
 """Discrete-event simulation of one synchronous generation stage on `num_devices` devices.
 
-Replicas (TP groups) run independently; a replica's decode-step time comes from the LatencyModel for its current
-batch and mean context, integrated in chunks between request completions (as the planner's estimator does).
-A reconfiguration stops every replica at the decision time, charges planner.cost.transition_cost (the same
-overhead the planner predicts) and redistributes the unfinished requests over the new replicas.
-
-Policies: static(tp); pat(planner) polled every planner.config.eval_every_steps steps through the same
-ClusterState/Decision interface a real driver uses (it only learns lengths of requests that finished); oracle,
-which knows every length and searches all monotone TP sequences switching at completion events.
-Pure stdlib.
+The truth (`SimHardware`: step times, KV capacity, scheduler, driver loop, reconfiguration phases) is separate from
+what a policy sees. A policy is asked at every poll with a `PollView` (the planner's ClusterState: progress
+counts only, never true lengths, plus the requests that finished since the last poll) and answers an action or
+None. Actions are records dispatched by type through `Sim.ACTIONS` (`Reconfigure(tp)` today; another action is one
+record class plus one handler registered there). Dispatch at stage start calls the driver's own
+planner.balance.assign_new; a reconfiguration rebalances with planner.balance.balance on context tokens, as the
+driver's Reconfigurer does. Pure stdlib.
 """
 
 from __future__ import annotations
 
-import bisect
-import math
-from collections.abc import Sequence
-from dataclasses import dataclass
+import copy
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
-from pat_rollout.planner.balance import balance
-from pat_rollout.planner.cost import transition_cost
-from pat_rollout.planner.policy import Planner
+from pat_rollout.kv.cost import HandoffCost
+from pat_rollout.planner.balance import assign_new, balance
 from pat_rollout.planner.state import ClusterState, Decision, ReqProgress
-from pat_rollout.profile.model import LatencyModel
+from pat_rollout.sim.hardware import SimHardware
+from pat_rollout.sim.replica import Replica, SimReq
 from pat_rollout.sim.traces import Trace
-
-MAX_CHUNK_STEPS = 256
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class Reconfigure:
+    """Switch the whole pool to TP `tp` now. `decision` is the planner's, kept for the report."""
+
+    tp: int
+    decision: Decision | None = None
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PollView:
+    """What a policy sees at a poll: time, the ClusterState a real driver would build, and (prompt_key,
+    length) of the requests that finished since the previous poll, in finish order."""
+
+    t: float
+    state: ClusterState
+    finished: tuple[tuple[str, int], ...]
+    num_unfinished: int
+    num_total: int
+
+
+class Policy(Protocol):
+    name: str
+
+    def initial_tp(self) -> int: ...
+
+    def on_poll(self, view: PollView) -> Any: ...
+
+
+@dataclass(kw_only=True, slots=True)
 class SimResult:
-    """Outcome of one policy: stage latency, layouts as (start time s, tp), and reconfiguration overhead paid."""
+    """Outcome of one policy: stage latency, layouts as (time s, tp), reconfiguration time paid, and counts."""
 
     policy: str
     latency_s: float
     schedule: tuple[tuple[float, int], ...]
     overhead_s: float
     decisions: tuple[Decision, ...] = ()
+    num_preempted: int = 0
+    prefill_tokens: int = 0
+    tail_start_s: float = 0.0  # when 90% of the requests had finished
+    finish_times: tuple[float, ...] = field(default=(), repr=False)
 
     @property
     def num_reconfigs(self) -> int:
         return len(self.schedule) - 1
 
+    @property
+    def tail_share(self) -> float:
+        """Share of the stage spent after 90% of the requests finished."""
+        return (self.latency_s - self.tail_start_s) / self.latency_s if self.latency_s > 0 else 0.0
+
     def layouts_str(self) -> str:
         return " -> ".join(f"TP{tp}@{t:.1f}s" for t, tp in self.schedule)
 
 
-@dataclass(frozen=True, slots=True)
-class _Req:
-    """A request in flight: `g` tokens generated of `length` (its true final length)."""
+class Sim:
+    """State of one stage under one policy; `run()` to the end (or until `stop(sim)` holds at a poll)."""
 
-    rid: str
-    prompt_key: str
-    prompt_len: int
-    length: int
-    max_new_tokens: int
-    g: int = 0
+    def __init__(self, hw: SimHardware, trace: Trace, *, num_devices: int, policy: Policy,
+                 handoff: HandoffCost | None = None, prev_tp: int | None = None) -> None:
+        """`prev_tp`: the layout the previous stage ended in; the driver returns to the stage's initial layout
+        first (a reconfiguration with no requests), inside this stage's time."""
+        self.hw = hw
+        self.num_devices = num_devices
+        self.policy = policy
+        self.handoff = handoff
+        self.t = 0.0
+        self.step = 0
+        self.overhead = 0.0
+        self.decisions: list[Decision] = []
+        self.finish_times: list[float] = []
+        self.num_total = len(trace.records)
+        self.num_preempted = 0
+        self.prefill_tokens = 0
+        self._pending: list[tuple[str, int]] = []
+        reqs = [SimReq(rid=f"r{i}", prompt_key=rec.prompt_id, prompt_len=rec.prompt_len, length=rec.response_len,
+                       max_new=rec.max_new_tokens or trace.max_new_tokens) for i, rec in enumerate(trace.records)]
+        self.tp = policy.initial_tp()
+        self._check_tp(self.tp)
+        self.schedule: list[tuple[float, int]] = [(0.0, self.tp)]
+        self.replicas = [Replica(hw, self.tp) for _ in range(num_devices // self.tp)]
+        if prev_tp is not None and prev_tp != self.tp:
+            self.t = self.overhead = self._phase_s(prev_tp, self.tp, 0)
+            for rep in self.replicas:
+                rep.t = self.t
+        self.where: dict[str, int] = {}
+        for r, rep in zip(reqs, assign_new([0] * len(self.replicas), [1] * len(reqs))):  # least-inflight
+            self.replicas[rep].waiting.append(r)
+            self.where[r.rid] = rep
 
+    def _check_tp(self, tp: int) -> None:
+        if tp < 1 or self.num_devices % tp:
+            raise ValueError(f"tp={tp} must divide num_devices={self.num_devices}")
 
-class _Replica:
-    """Timeline of one replica from time t0 with fixed requests: chunk k covers steps [step0[k], step0[k] + n[k])
-    starting at start[k], dt[k] seconds per step."""
+    @property
+    def num_unfinished(self) -> int:
+        return self.num_total - len(self.finish_times)
 
-    def __init__(self, model: LatencyModel, tp: int, reqs: Sequence[_Req], t0: float) -> None:
-        items = sorted((r.length - r.g, r.prompt_len + r.g) for r in reqs)
-        self.start: list[float] = []
-        self.step0: list[int] = []
-        self.n: list[int] = []
-        self.dt: list[float] = []
-        t, done, batch, sum_ctx, k = t0, 0, len(items), sum(x[1] for x in items), 0
-        while k < len(items):
-            target = items[k][0]
-            while done < target:
-                n = min(target - done, MAX_CHUNK_STEPS)
-                dt = model.decode_step_s(tp, batch, sum_ctx / batch + done + n / 2.0)
-                self.start.append(t)
-                self.step0.append(done)
-                self.n.append(n)
-                self.dt.append(dt)
-                t += n * dt
-                done += n
-            while k < len(items) and items[k][0] == target:
-                sum_ctx -= items[k][1]
-                batch -= 1
-                k += 1
-        self.t0 = t0
-        self.end = t
-        self.total_steps = done
+    def _advance(self) -> None:
+        """One poll interval of generation."""
+        d = self.hw.driver
+        busy = [rep for rep in self.replicas if rep.busy]
+        slow = d.concurrency_slowdown if len(busy) > 1 else 1.0
+        if d.lockstep:
+            for rep in busy:
+                rep.t, rep.slowdown = self.t, slow
+                rep.run(d.steps_per_poll)
+            self.t = max(rep.t for rep in busy) + d.poll_overhead_s
+            self.step += d.steps_per_poll
+        else:
+            t_next = self.t + d.poll_interval_s
+            for rep in busy:
+                rep.t = max(rep.t, self.t)
+                rep.run(1 << 30, until_t=t_next)
+            ends = [rep.t for rep in busy]
+            self.step = max(self.step, self._base_step + max(rep.steps for rep in self.replicas))
+            self.t = t_next if any(rep.busy for rep in self.replicas) else max(ends)
+        for rep in busy:
+            for t_fin, r in rep.finished:
+                self.finish_times.append(min(t_fin, self.t) if not d.lockstep else self.t)
+                self._pending.append((r.prompt_key, r.length))
+                self.where.pop(r.rid, None)
+            rep.finished.clear()
 
-    def steps_at(self, t: float) -> int:
-        """Steps completed by time t."""
-        if t >= self.end:
-            return self.total_steps
-        k = bisect.bisect_right(self.start, t) - 1
-        if k < 0:
-            return 0
-        return self.step0[k] + min(self.n[k], int(math.floor((t - self.start[k]) / self.dt[k] + 1e-9)))
+    _base_step = 0
 
-    def time_of_step(self, s: int) -> float:
-        """Time at which step s (1-based count of completed steps) completes; s <= total_steps."""
-        if s <= 0:
-            return self.t0
-        k = bisect.bisect_left(self.step0, s) - 1
-        return self.start[k] + (s - self.step0[k]) * self.dt[k]
+    def view(self) -> PollView:
+        reqs = []
+        for i, rep in enumerate(self.replicas):
+            for r in (*rep.running, *rep.waiting):
+                reqs.append(ReqProgress(request_id=r.rid, prompt_key=r.prompt_key, num_prompt_tokens=r.prompt_len,
+                                        num_output_tokens=r.g, max_new_tokens=r.max_new, replica=i))
+        reqs.sort(key=lambda p: p.request_id)
+        state = ClusterState(step=self.step, num_devices=self.num_devices, tp=self.tp, requests=tuple(reqs))
+        v = PollView(t=self.t, state=state, finished=tuple(self._pending), num_unfinished=self.num_unfinished,
+                     num_total=self.num_total)
+        self._pending = []
+        return v
 
+    def run(self, stop: Callable[[Sim], bool] | None = None) -> Sim:
+        while self.num_unfinished:
+            self._advance()
+            if not self.num_unfinished:
+                break
+            action = self.policy.on_poll(self.view())
+            if action is not None:
+                self.apply(action)
+            if stop is not None and stop(self):
+                break
+        return self
 
-class _Segment:
-    """All replicas of one fixed layout from time t0 until the next reconfiguration (or the end)."""
+    def apply(self, action: Any) -> None:
+        handler = self.ACTIONS.get(type(action))
+        if handler is None:
+            raise ValueError(f"unknown action {action!r}; known {sorted(t.__name__ for t in self.ACTIONS)}")
+        handler(self, action)
 
-    def __init__(self, model: LatencyModel, tp: int, num_devices: int, reqs: Sequence[_Req],
-                 assignment: Sequence[int], t0: float) -> None:
+    # ---- actions -------------------------------------------------------------------------------------------
+    def _reconfigure(self, action: Reconfigure) -> None:
+        tp = action.tp
+        self._check_tp(tp)
+        if tp == self.tp:
+            return
+        t0 = max([self.t, *(rep.t for rep in self.replicas)])
+        for rep in self.replicas:
+            self.num_preempted += rep.num_preempted
+            self.prefill_tokens += rep.prefill_tokens
+        reqs = [r for rep in self.replicas for r in rep.export()]
+        migrate = [r for r in reqs if r.cached and self._migrates(r, tp)]
+        cost = self._phase_s(self.tp, tp, sum((r.prompt_len + r.g) * self.hw.kv_bytes_per_token for r in migrate))
+        self._base_step = self.step
         self.tp = tp
-        self.reqs = list(reqs)
-        self.assignment = list(assignment)
-        per: list[list[_Req]] = [[] for _ in range(num_devices // tp)]
-        for r, a in zip(reqs, assignment):
-            per[a].append(r)
-        self.replicas = [_Replica(model, tp, rs, t0) for rs in per]
-        self.end = max(rep.end for rep in self.replicas)
-        finish = [(self.replicas[a].time_of_step(r.length - r.g), i) for i, (r, a) in enumerate(zip(reqs, assignment))]
-        self.finish = sorted(finish)
+        self.t = t0 + cost
+        self.overhead += cost
+        self.replicas = [Replica(self.hw, tp, self.t) for _ in range(self.num_devices // tp)]
+        dest = balance([r.prompt_len + r.g for r in reqs], len(self.replicas))  # the Reconfigurer's rule
+        mig = {id(r) for r in migrate}
+        for r, i in zip(reqs, dest):
+            rep = self.replicas[i]
+            self.where[r.rid] = i
+            r.alloc = 0
+            if not (id(r) in mig and rep.import_cached(r)):
+                r.cached = False
+                rep.waiting.append(r)
+        self.schedule.append((t0, tp))
+        if action.decision is not None:
+            self.decisions.append(action.decision)
 
-    def time_of_max_step(self, s: int) -> float | None:
-        """First time any replica has completed s steps in this segment, or None if none ever does."""
-        times = [rep.time_of_step(s) for rep in self.replicas if rep.total_steps >= s]
-        return min(times) if times else None
+    def _phase_s(self, src: int, dst: int, migrate_bytes: float) -> float:
+        """True time of the phases of one reconfiguration src -> dst moving `migrate_bytes` of KV."""
+        rc = self.hw.reconfig
+        w = self.hw.param_bytes
+        cost = rc.fixed_s + rc.reshard_fixed_s + max(0.0, w / dst - w / src) / rc.reshard_bytes_per_s + rc.switch_s
+        if migrate_bytes > 0:
+            cost += rc.kv_latency_s + migrate_bytes / self.num_devices / rc.kv_bytes_per_s
+        return cost
 
-    def max_steps_at(self, t: float) -> int:
-        return max(rep.steps_at(t) for rep in self.replicas)
+    def _migrates(self, r: SimReq, tp: int) -> bool:
+        """The driver's hand-off rule (kv/cost.py) with the planner's constants; no cost model: recompute."""
+        if self.handoff is None:
+            return False
+        return self.handoff.choose_handoff(r.prompt_len + r.g, self.hw.kv_bytes_per_token, tp).method.is_migrate
 
-    def advance(self, t: float) -> list[_Req]:
-        """Requests with their progress at time t (finished ones dropped), in this segment's order."""
-        steps = [rep.steps_at(t) for rep in self.replicas]
-        out = []
-        for r, a in zip(self.reqs, self.assignment):
-            g = r.g + steps[a]
-            if g < r.length:
-                out.append(_Req(r.rid, r.prompt_key, r.prompt_len, r.length, r.max_new_tokens, g))
-        return out
+    ACTIONS: dict[type, Callable[[Sim, Any], None]] = {Reconfigure: _reconfigure}
 
+    def result(self, name: str) -> SimResult:
+        pre = self.num_preempted + sum(rep.num_preempted for rep in self.replicas)
+        pf = self.prefill_tokens + sum(rep.prefill_tokens for rep in self.replicas)
+        fin = sorted(self.finish_times)
+        latency = self.t if self.hw.driver.lockstep else (fin[-1] if fin else 0.0)
+        tail = fin[max(0, -(-9 * len(fin) // 10) - 1)] if fin else 0.0
+        return SimResult(policy=name, latency_s=latency, schedule=tuple(self.schedule), overhead_s=self.overhead,
+                         decisions=tuple(self.decisions), num_preempted=pre, prefill_tokens=pf, tail_start_s=tail,
+                         finish_times=tuple(fin))
 
-def _requests(trace: Trace) -> list[_Req]:
-    return [_Req(f"r{i}", rec.prompt_id, rec.prompt_len, rec.response_len, trace.max_new_tokens)
-            for i, rec in enumerate(trace.records)]
-
-
-def _round_robin(n: int, num_replicas: int) -> list[int]:
-    """Stage start: requests arrive in trace order and are spread like verl's least-inflight balancer."""
-    return [i % num_replicas for i in range(n)]
-
-
-def _switch_cost(model: LatencyModel, num_devices: int, tp_src: int, tp_dst: int, reqs: Sequence[_Req]) -> float:
-    return transition_cost(model, num_devices=num_devices, tp_src=tp_src, tp_dst=tp_dst,
-                           num_tokens=[r.prompt_len + r.g for r in reqs]).total_s
-
-
-def simulate_static(model: LatencyModel, trace: Trace, *, num_devices: int, tp: int) -> SimResult:
-    """Stage latency with a fixed TP=tp layout."""
-    reqs = _requests(trace)
-    seg = _Segment(model, tp, num_devices, reqs, _round_robin(len(reqs), num_devices // tp), 0.0)
-    return SimResult(policy=f"static-tp{tp}", latency_s=seg.end, schedule=((0.0, tp),), overhead_s=0.0)
-
-
-def simulate_pat(model: LatencyModel, trace: Trace, *, num_devices: int, planner: Planner,
-                 initial_tp: int) -> SimResult:
-    """Stage latency under the planner, polled every eval_every_steps global decode steps (the most any replica
-    has run). The planner sees only finished lengths (in completion order), trace.history and progress counts."""
-    k = planner.config.eval_every_steps
-    planner.start_stage()
-    for rec in trace.history:
-        planner.observe_history(rec.prompt_id, rec.response_len)
-    reqs = _requests(trace)
-    tp, t, base_step, overhead = initial_tp, 0.0, 0, 0.0
-    schedule: list[tuple[float, int]] = [(0.0, tp)]
-    decisions: list[Decision] = []
-    assignment = _round_robin(len(reqs), num_devices // tp)
-    while reqs:
-        seg = _Segment(model, tp, num_devices, reqs, assignment, t)
-        fin = 0
-        switched = False
-        step = base_step
-        while True:
-            t_poll = seg.time_of_max_step(step - base_step)
-            if t_poll is None:
-                break
-            while fin < len(seg.finish) and seg.finish[fin][0] <= t_poll:
-                r = seg.reqs[seg.finish[fin][1]]
-                planner.observe_finished(r.prompt_key, r.length)
-                fin += 1
-            live = seg.advance(t_poll)
-            if live:
-                rep_of = dict(zip((r.rid for r in seg.reqs), seg.assignment))
-                state = ClusterState(step=step, num_devices=num_devices, tp=tp, requests=tuple(
-                    ReqProgress(request_id=r.rid, prompt_key=r.prompt_key, num_prompt_tokens=r.prompt_len,
-                                num_output_tokens=r.g, max_new_tokens=r.max_new_tokens, replica=rep_of[r.rid])
-                    for r in live))
-                d = planner.decide(state)
-                if d is not None:
-                    pred = planner.predict_remaining(state)
-                    cost = _switch_cost(model, num_devices, tp, d.target_tp, live)
-                    overhead += cost
-                    t = t_poll + cost
-                    tp = d.target_tp
-                    reqs = live
-                    assignment = balance([pred[r.rid] for r in live], num_devices // tp)
-                    base_step = step
-                    schedule.append((t_poll, tp))
-                    decisions.append(d)
-                    switched = True
-                    break
-            step = (step // k + 1) * k
-        if not switched:
-            for _, i in seg.finish[fin:]:
-                planner.observe_finished(seg.reqs[i].prompt_key, seg.reqs[i].length)
-            t = seg.end
-            reqs = []
-    return SimResult(policy="pat", latency_s=t, schedule=tuple(schedule), overhead_s=overhead,
-                     decisions=tuple(decisions))
-
-
-def _thresholds(n: int) -> list[int]:
-    """Unfinished-request counts at which the oracle may switch: halvings of n plus small counts, descending."""
-    out = {max(1, n >> i) for i in range(1, 16)} | {c for c in (96, 64, 48, 32, 24, 16, 12, 8, 6, 4, 3, 2, 1)}
-    return sorted((x for x in out if x < n), reverse=True)
-
-
-def simulate_oracle(model: LatencyModel, trace: Trace, *, num_devices: int, candidate_tps: Sequence[int],
-                    max_switches: int = 3) -> SimResult:
-    """Best stage latency over every starting TP and every increasing TP sequence of at most `max_switches`
-    switches placed at completion events (when the unfinished count drops to one of `_thresholds`). Knows all
-    lengths: rebalances by true remaining length. Charges the same overheads as PAT."""
-    tps = sorted(tp for tp in candidate_tps if num_devices % tp == 0)
-    thr = _thresholds(len(trace.records))
-
-    def search(t: float, tp: int, reqs: list[_Req], assignment: list[int], j0: int,
-               left: int) -> tuple[float, list[tuple[float, int]], float]:
-        seg = _Segment(model, tp, num_devices, reqs, assignment, t)
-        best = (seg.end, [], 0.0)
-        bigger = [x for x in tps if x > tp]
-        if not left or not bigger:
-            return best
-        for j in range(j0, len(thr)):
-            n = thr[j]
-            if n >= len(reqs):
-                continue
-            t_sw = seg.finish[len(reqs) - n - 1][0]
-            live = seg.advance(t_sw)
-            if not live:
-                break
-            for tp2 in bigger:
-                cost = _switch_cost(model, num_devices, tp, tp2, live)
-                if t_sw + cost >= best[0]:
-                    continue
-                asg = balance([r.length - r.g for r in live], num_devices // tp2)
-                end, sched, ov = search(t_sw + cost, tp2, live, asg, j + 1, left - 1)
-                if end < best[0]:
-                    best = (end, [(t_sw, tp2), *sched], ov + cost)
-        return best
-
-    results = []
-    reqs = _requests(trace)
-    for tp in tps:
-        end, sched, ov = search(0.0, tp, reqs, _round_robin(len(reqs), num_devices // tp), 0, max_switches)
-        results.append((end, tp, sched, ov))
-    end, tp, sched, ov = min(results, key=lambda x: (x[0], x[1]))
-    return SimResult(policy="oracle", latency_s=end, schedule=((0.0, tp), *sched), overhead_s=ov)
+    def clone(self) -> Sim:
+        return copy.deepcopy(self, {id(self.hw): self.hw})  # the truth is shared, not copied

@@ -17,11 +17,13 @@ COLUMNS = ("prompt_id", "prompt_len", "response_len")
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class TraceRecord:
-    """One request of a stage: its prompt, prompt length and final response length (tokens)."""
+    """One request of a stage: its prompt, prompt length and final response length (tokens); `max_new_tokens`,
+    when set, is this request's own cap (else the trace's)."""
 
     prompt_id: str
     prompt_len: int
     response_len: int
+    max_new_tokens: int | None = None
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -38,7 +40,8 @@ class Trace:
         if not self.records:
             raise ValueError(f"trace {self.name!r} has no records")
         for r in self.records:
-            if r.response_len < 1 or r.response_len > self.max_new_tokens or r.prompt_len < 1:
+            cap = r.max_new_tokens or self.max_new_tokens
+            if r.response_len < 1 or r.response_len > cap or cap > self.max_new_tokens or r.prompt_len < 1:
                 raise ValueError(f"trace {self.name!r}: record {r} needs 1 <= response_len <= max_new_tokens="
                                  f"{self.max_new_tokens} and prompt_len >= 1")
 

@@ -1,0 +1,69 @@
+"""The one KV-cache capacity rule of pat_rollout, shared by the planner's estimator, the driver and the simulator.
+
+Per device: KV room = mem_fraction x HBM - weights / tp - activation reserve. A TP group of `tp` devices shards
+the KV heads, so one token costs kv_bytes_per_token * ceil(num_kv_heads / tp) / num_kv_heads bytes on each device
+(heads are replicated once tp > num_kv_heads) and the replica holds room / that many tokens. Pure stdlib.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class MemorySpec:
+    """Memory of one device as the serving engine sees it.
+
+    - hbm_bytes: device memory (e.g. 80e9 for an H100 SXM 80 GB).
+    - mem_fraction: share the engine may use for weights + KV (SGLang mem_fraction_static, verl
+      gpu_memory_utilization: 0.6 when rollout is colocated with training).
+    - activation_reserve_bytes: what activations, CUDA graphs and workspace keep out of the KV pool."""
+
+    hbm_bytes: float
+    mem_fraction: float
+    activation_reserve_bytes: float
+
+    def __post_init__(self) -> None:
+        if self.hbm_bytes <= 0 or not 0 < self.mem_fraction <= 1 or self.activation_reserve_bytes < 0:
+            raise ValueError(f"hbm_bytes={self.hbm_bytes} must be > 0, mem_fraction={self.mem_fraction} in (0, 1] "
+                             f"and activation_reserve_bytes={self.activation_reserve_bytes} >= 0")
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> MemorySpec:
+        """From a profile's optional "memory" section (keys as the field names)."""
+        missing = [k for k in ("hbm_bytes", "mem_fraction", "activation_reserve_bytes") if k not in d]
+        if missing:
+            raise ValueError(f"memory section {d} is missing {missing}")
+        return cls(hbm_bytes=float(d["hbm_bytes"]), mem_fraction=float(d["mem_fraction"]),
+                   activation_reserve_bytes=float(d["activation_reserve_bytes"]))
+
+
+def kv_room_bytes(mem: MemorySpec, *, param_bytes: float, tp: int) -> float:
+    """Bytes of KV cache one device of a TP=`tp` group can hold (may be <= 0: the weights do not fit)."""
+    if tp < 1:
+        raise ValueError(f"tp={tp} must be >= 1")
+    return mem.mem_fraction * mem.hbm_bytes - param_bytes / tp - mem.activation_reserve_bytes
+
+
+def replica_kv_tokens(mem: MemorySpec, *, param_bytes: float, kv_bytes_per_token: int, num_kv_heads: int,
+                      tp: int) -> int:
+    """Tokens (summed over the requests it runs) of KV one TP=`tp` replica holds. ValueError when the weights
+    leave no room, naming every operand."""
+    room = kv_room_bytes(mem, param_bytes=param_bytes, tp=tp)
+    if room <= 0:
+        raise ValueError(f"no KV room at tp={tp}: mem_fraction {mem.mem_fraction} x hbm {mem.hbm_bytes:.4g} B - "
+                         f"weights {param_bytes:.4g} B / {tp} - reserve {mem.activation_reserve_bytes:.4g} B = "
+                         f"{room:.4g} B")
+    if kv_bytes_per_token < 1 or num_kv_heads < 1:
+        raise ValueError(f"kv_bytes_per_token={kv_bytes_per_token} and num_kv_heads={num_kv_heads} must be >= 1")
+    per_device_token = kv_bytes_per_token * math.ceil(num_kv_heads / tp) / num_kv_heads
+    return int(room // per_device_token)
+
+
+def blocks_for(num_tokens: int, block_size: int) -> int:
+    """KV blocks (pages) `num_tokens` tokens occupy with pages of `block_size` tokens."""
+    if block_size < 1:
+        raise ValueError(f"block_size={block_size} must be >= 1")
+    return -(-num_tokens // block_size)

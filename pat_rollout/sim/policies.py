@@ -1,0 +1,126 @@
+"""Policies the simulator runs: static TP, the PAT planner (through the same ClusterState/Decision interface the
+driver uses), a fixed schedule, and the oracle (best schedule in hindsight). Pure stdlib."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from pat_rollout.kv.cost import HandoffCost
+from pat_rollout.planner.policy import Planner
+from pat_rollout.profile.model import LatencyModel
+from pat_rollout.sim.hardware import SimHardware
+from pat_rollout.sim.simulator import PollView, Reconfigure, Sim, SimResult
+from pat_rollout.sim.traces import Trace
+
+
+@dataclass(slots=True)
+class StaticPolicy:
+    tp: int
+    name: str = ""
+
+    def __post_init__(self) -> None:
+        self.name = self.name or f"static-tp{self.tp}"
+
+    def initial_tp(self) -> int:
+        return self.tp
+
+    def on_poll(self, view: PollView) -> None:
+        return None
+
+
+class PlannerPolicy:
+    """The PAT planner: learns lengths only as requests finish (and from `trace.history`, earlier iterations)."""
+
+    def __init__(self, planner: Planner, initial_tp: int, history: Trace | None = None, name: str = "pat") -> None:
+        self.planner = planner
+        self.tp0 = initial_tp
+        self.name = name
+        planner.start_stage()
+        for rec in history.history if history is not None else ():
+            planner.observe_history(rec.prompt_id, rec.response_len)
+
+    def initial_tp(self) -> int:
+        return self.tp0
+
+    def on_poll(self, view: PollView) -> Reconfigure | None:
+        for key, n in view.finished:
+            self.planner.observe_finished(key, n)
+        d = self.planner.decide(view.state)
+        if d is None or d.target_tp == view.state.tp:
+            return None
+        return Reconfigure(tp=d.target_tp, decision=d)
+
+
+@dataclass(slots=True)
+class ScheduledPolicy:
+    """Start at `tp0`; switch to tp when at most `count` requests are unfinished, for each (count, tp)."""
+
+    tp0: int
+    switches: tuple[tuple[int, int], ...] = ()
+    name: str = "scheduled"
+
+    def initial_tp(self) -> int:
+        return self.tp0
+
+    def on_poll(self, view: PollView) -> Reconfigure | None:
+        for count, tp in self.switches:
+            if view.num_unfinished <= count and tp > view.state.tp:
+                return Reconfigure(tp=tp)
+        return None
+
+
+def handoff_from_profile(model: LatencyModel) -> HandoffCost:
+    """The driver's KV hand-off constants from the planner's profile (as workers.pat_planner.handoff_cost)."""
+    d = model.to_dict()
+    return HandoffCost(link_bytes_per_s=d["kv_transfer"]["bandwidth_bytes_per_s"],
+                       per_transfer_latency_s=d["kv_transfer"]["latency_s"],
+                       prefill_tokens_per_s=tuple((p["tp"], p["tokens_per_s"]) for p in d["prefill"]),
+                       prefill_latency_s=min(p.get("fixed_s", 0.0) for p in d["prefill"]))
+
+
+def thresholds(n: int) -> list[int]:
+    """Unfinished-request counts at which the oracle may switch, descending."""
+    out = {max(1, n >> i) for i in range(1, 9)} | {8, 4, 2, 1}
+    return sorted((x for x in out if x < n), reverse=True)
+
+
+def oracle(hw: SimHardware, trace: Trace, *, num_devices: int, tps: Sequence[int], max_switches: int = 2,
+           handoff: HandoffCost | None = None) -> SimResult:
+    """Best latency over every start TP and every increasing TP sequence of at most `max_switches` switches taken
+    when the unfinished count first drops to one of `thresholds`. Simulated on the truth (knows every length
+    through it); branches share their prefix by cloning the simulation."""
+    thr = thresholds(len(trace.records))
+    best: list[SimResult] = []
+
+    def consider(res: SimResult) -> None:
+        if not best or res.latency_s < best[0].latency_s:
+            best[:] = [res]
+
+    def search(sim: Sim, j0: int, left: int) -> None:
+        bigger = [tp for tp in tps if tp > sim.tp]
+        base = sim
+        for j in range(j0, len(thr)):
+            if not left or not bigger:
+                break
+            n = thr[j]
+            base.run(stop=lambda s, n=n: s.num_unfinished <= n)
+            if not base.num_unfinished:
+                break
+            for tp in bigger:
+                branch = base.clone()
+                branch.apply(Reconfigure(tp=tp))
+                search(branch, j + 1, left - 1)
+        base.run()
+        consider(base.result("oracle"))
+
+    for tp in tps:
+        search(Sim(hw, trace, num_devices=num_devices, policy=ScheduledPolicy(tp0=tp), handoff=handoff), 0,
+               max_switches)
+    return best[0]
+
+
+def run_policy(hw: SimHardware, trace: Trace, policy, *, num_devices: int, handoff: HandoffCost | None = None,
+               prev_tp: int | None = None) -> SimResult:
+    return Sim(hw, trace, num_devices=num_devices, policy=policy, handoff=handoff,
+               prev_tp=prev_tp).run().result(policy.name)
