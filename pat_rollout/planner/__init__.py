@@ -10,7 +10,14 @@ from pat_rollout.planner.cost import TransitionCost, transition_cost
 from pat_rollout.planner.estimator import drain_s, replica_drain_s
 from pat_rollout.planner.policy import Option, Planner, PlannerConfig
 from pat_rollout.planner.predictor import LengthPredictor, PredictorConfig
-from pat_rollout.planner.rebalance import Move, RebalanceCost, RebalanceOption, plan_moves, rebalance_cost, rebalance_option
+from pat_rollout.planner.rebalance import (
+    Move,
+    RebalanceCost,
+    RebalanceOption,
+    plan_moves,
+    rebalance_cost,
+    rebalance_option,
+)
 from pat_rollout.planner.state import ClusterState, Decision, ReqProgress
 
 __all__ = [

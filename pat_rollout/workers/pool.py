@@ -9,12 +9,15 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pat_rollout.engine.base import EngineSnapshot, StepResult
 from pat_rollout.layout import Layout
 from pat_rollout.types import Request, RequestOutput
 from pat_rollout.workers.reconfigure import ReconfigResult
+
+if TYPE_CHECKING:
+    from pat_rollout.workers.rebalance import RebalanceResult
 
 
 class WorkerError(RuntimeError):
@@ -31,6 +34,7 @@ class Pool(ABC):
     num_devices: int
     layout: Layout
     base: Layout
+    supports_rebalance: bool = False  # the planner offers rebalancing only where this is True
 
     @abstractmethod
     def add_requests(self, per_replica: dict[int, list[Request]]) -> None:
@@ -45,6 +49,13 @@ class Pool(ABC):
         """Move to TP `dst_tp`, keeping every unfinished request (`assignment`: request id -> replica).
         On failure roll back to `base`, re-admit every request and raise ReconfigurationError whose
         `assignment` says where each request now runs."""
+
+    def rebalance(self, moves: dict[str, int], assignment: dict[str, int]) -> RebalanceResult:
+        """Move unfinished requests to other replicas of the current layout (`moves`: request id -> replica),
+        keeping every request. On failure re-admit each moved request on its source replica and raise
+        RebalanceError. Pools that cannot (supports_rebalance False) refuse."""
+        raise NotImplementedError(f"{type(self).__name__} cannot move requests between replicas "
+                                  "(supports_rebalance=False)")
 
     @abstractmethod
     def abort_all(self) -> list[RequestOutput]:
@@ -70,6 +81,8 @@ class Pool(ABC):
 
 class RefPool(Pool):
     """The reference engine: one Ray `ShardWorker` actor per device, reconfigured by the `Reconfigurer`."""
+
+    supports_rebalance = True
 
     def __init__(self, group: Any, reconfigurer: Any, base: Layout) -> None:
         self.group = group  # workers.group.WorkerGroup
@@ -98,6 +111,11 @@ class RefPool(Pool):
             raise
         self.layout = result.dst
         return result
+
+    def rebalance(self, moves: dict[str, int], assignment: dict[str, int]) -> RebalanceResult:
+        from pat_rollout.workers.rebalance import run_rebalance
+
+        return run_rebalance(self.reconfigurer, self.layout, moves, assignment)
 
     def abort_all(self) -> list[RequestOutput]:
         per_device = self.group.call(range(self.num_devices), "abort_all", what="abort")

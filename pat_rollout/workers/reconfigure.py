@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from pat_rollout.kv.cost import HandoffCost, choose_handoff
-from pat_rollout.kv.plan import plan_kv
+from pat_rollout.kv.plan import KVPlan, plan_kv
 from pat_rollout.layout import Layout
 from pat_rollout.layout.transition import plan_layout, plan_weights
 from pat_rollout.planner.balance import balance
@@ -87,16 +88,13 @@ class Reconfigurer:
 
         t = time.perf_counter()
         per_device = self.group.call(devices, "export_requests", what="export")
-        states = _unique_states(src, per_device)
+        states = unique_states(src, per_device)
         result.phase_s["export"] = time.perf_counter() - t
         try:
             assignment = balance_states(states, dst.num_replicas)
-            migrated, recomputed = [], []
-            for s in states:
-                (migrated if self._method(s, dst) == "migrate" else recomputed).append(s)
-            moves = [(s.request_id, src.groups[old_assignment[s.request_id]], dst.groups[assignment[s.request_id]],
-                      s.num_cached_tokens) for s in migrated]
-            kv_transfers = plan_kv(moves, self.spec.num_kv_heads)
+            migrated, recomputed, kv_transfers = plan_handoff(
+                states, lambda s: self._method(s, dst), {rid: src.groups[r] for rid, r in old_assignment.items()},
+                {rid: dst.groups[r] for rid, r in assignment.items()}, self.spec.num_kv_heads)
 
             t = time.perf_counter()
             self.group.call(devices, "handoff_kv", kv_transfers, what="KV hand-off")
@@ -111,7 +109,7 @@ class Reconfigurer:
             result.phase_s["switch"] = time.perf_counter() - t
 
             t = time.perf_counter()
-            self._import(dst, states, assignment, {s.request_id for s in migrated}, what="import")
+            import_states(self.group, dst, states, assignment, {s.request_id for s in migrated}, what="import")
             result.phase_s["import"] = time.perf_counter() - t
         except Exception as e:
             self._rollback(states)
@@ -136,23 +134,38 @@ class Reconfigurer:
         devices = range(self.group.num_devices)
         self.group.call(devices, "rollback", self.base, what="rollback")
         assignment = balance_states(states, self.base.num_replicas)
-        self._import(self.base, states, assignment, set(), what="rollback import")
+        import_states(self.group, self.base, states, assignment, set(), what="rollback import")
         self.last_rollback_assignment = assignment
 
-    def _import(self, layout: Layout, states: list[RequestState], assignment: dict[str, int], migrated: set[str], *,
-                what: str) -> None:
-        """Every device of replica r imports the requests assigned to r; those in `migrated` take their KV
-        from the hand-off, the rest are recomputed."""
-        calls = {}
-        for r, group in enumerate(layout.groups):
-            mine = [s for s in states if assignment[s.request_id] == r]
-            ids = [s.request_id for s in mine if s.request_id in migrated]
-            for d in group:
-                calls[d] = ("import_requests", (mine, ids))
-        self.group.call_each(calls, what=what)
+
+# ---- steps shared with workers/rebalance.py ---------------------------------------------------------------
+def plan_handoff(states: list[RequestState], method: Callable[[RequestState], str],
+                 src_groups: Mapping[str, tuple[int, ...]], dst_groups: Mapping[str, tuple[int, ...]],
+                 num_kv_heads: int) -> tuple[list[RequestState], list[RequestState], KVPlan]:
+    """Split `states` by `method(state)` ("migrate" or "recompute") and plan the KV hand-off of the migrated
+    ones from their replica's devices (`src_groups[request_id]`) to their new replica's (`dst_groups`)."""
+    migrated, recomputed = [], []
+    for s in states:
+        (migrated if method(s) == "migrate" else recomputed).append(s)
+    moves = [(s.request_id, src_groups[s.request_id], dst_groups[s.request_id], s.num_cached_tokens)
+             for s in migrated]
+    return migrated, recomputed, plan_kv(moves, num_kv_heads)
 
 
-def _unique_states(layout: Layout, per_device: list[list[RequestState]]) -> list[RequestState]:
+def import_states(group: WorkerGroup, layout: Layout, states: list[RequestState], assignment: Mapping[str, int],
+                  migrated: set[str], *, what: str, replicas: Iterable[int] | None = None) -> None:
+    """Every device of replica r (of `replicas`, default all) imports the requests assigned to r; those in
+    `migrated` take their KV from the hand-off, the rest are recomputed."""
+    calls = {}
+    for r in range(layout.num_replicas) if replicas is None else replicas:
+        mine = [s for s in states if assignment[s.request_id] == r]
+        ids = [s.request_id for s in mine if s.request_id in migrated]
+        for d in layout.groups[r]:
+            calls[d] = ("import_requests", (mine, ids))
+    group.call_each(calls, what=what)
+
+
+def unique_states(layout: Layout, per_device: list[list[RequestState]]) -> list[RequestState]:
     """Every TP rank of a replica exports the same requests; keep TP rank 0's and check the rest."""
     states: list[RequestState] = []
     for group in layout.groups:

@@ -117,9 +117,10 @@ class ShardWorker:
         self.engine.resume(tags)
 
     # ---- reconfiguration phases (called on every device, in this order) ------------------------
-    def export_requests(self) -> list[RequestState]:
+    def export_requests(self, request_ids: list[str] | None = None) -> list[RequestState]:
+        """Lift out every unfinished request, or only `request_ids` (a rebalance moves a few)."""
         self._maybe_fail("export")
-        states = self.engine.export_requests(None)
+        states = self.engine.export_requests(request_ids)
         self._exported = {s.request_id: s for s in states}
         return states
 
@@ -157,6 +158,26 @@ class ShardWorker:
         self._incoming_kv.clear()
         self._exported.clear()
         return time.perf_counter() - t0
+
+    # ---- rebalance (workers/rebalance.py): export + handoff_kv + import above, plus these two ---------
+    def release_exported(self) -> None:
+        """Free the KV blocks of the requests exported to another replica (their KV has been handed off)."""
+        self._maybe_fail("release")
+        self.engine.free_exported()
+        self._exported.clear()
+
+    def drop_requests(self, request_ids: list[str]) -> list[RequestState]:
+        """Rollback of a failed rebalance: remove `request_ids` wherever they are on this device (exported,
+        running or waiting), free their KV and return their states; the driver re-imports them."""
+        self._incoming_kv.clear()
+        wanted = set(request_ids)
+        live = [s.request_id for s in (*self.engine.scheduler.running, *self.engine.scheduler.waiting)
+                if s.request_id in wanted]
+        dropped = [s for rid, s in self._exported.items() if rid in wanted]
+        dropped += self.engine.export_requests(live) if live else []
+        self.engine.free_exported()
+        self._exported.clear()
+        return dropped
 
     def rollback(self, layout: Layout) -> None:
         """Return to the base `layout` after a failed reconfiguration, restoring this device's shard from
