@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from pat_rollout.config import PatRolloutConfig
 from pat_rollout.types import Request, RequestOutput
@@ -21,6 +21,7 @@ class RunResult:
     outputs: list[RequestOutput]  # of the last repeat
     metrics: dict  # stage metrics of the last repeat
     same_each_repeat: bool = True  # every repeat produced the same tokens
+    repeat_metrics: list[dict] = field(default_factory=list)  # stage metrics of every repeat (interleaved runs)
 
     @property
     def seconds(self) -> float:
@@ -59,6 +60,39 @@ def run_all(runs: dict[str, PatRolloutConfig], requests: list[Request], warmup: 
         print(f"running {name} ...", flush=True)
         results[name] = timed_generate(cfg, requests, warmup, repeats)
     return results
+
+
+def interleaved_generate(runs: dict[str, PatRolloutConfig], requests: list[Request], warmup: list[Request],
+                         repeats: int) -> dict[str, RunResult]:
+    """One fresh driver per config, all alive at once: warm each up on `warmup`, then `repeats` rounds that each
+    generate `requests` once on every driver in turn (order reversed every other round), so drifts of a shared
+    machine hit every config alike. Shuts every driver down whatever happens."""
+    from pat_rollout.workers.driver import RolloutDriver
+
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {repeats}")
+    drivers: dict[str, RolloutDriver] = {}
+    try:
+        for name, cfg in runs.items():
+            print(f"starting {name} ...", flush=True)
+            drivers[name] = RolloutDriver(cfg)
+            drivers[name].generate(warmup)
+        times: dict[str, list[float]] = {name: [] for name in runs}
+        tokens: dict[str, list] = {name: [] for name in runs}
+        metrics: dict[str, list[dict]] = {name: [] for name in runs}
+        outputs: dict[str, list[RequestOutput]] = {}
+        for i in range(repeats):
+            for name in (list(runs) if i % 2 == 0 else list(runs)[::-1]):
+                t0 = time.perf_counter()
+                outputs[name] = drivers[name].generate(requests)
+                times[name].append(time.perf_counter() - t0)
+                tokens[name].append([o.token_ids for o in outputs[name]])
+                metrics[name].append(drivers[name].stage_metrics())
+        return {name: RunResult(times[name], outputs[name], metrics[name][-1],
+                                all(t == tokens[name][0] for t in tokens[name]), metrics[name]) for name in runs}
+    finally:
+        for d in drivers.values():
+            d.shutdown()
 
 
 def print_table(results: dict[str, RunResult]) -> bool:

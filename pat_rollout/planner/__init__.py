@@ -1,5 +1,6 @@
 """The PAT planner: predicts remaining response lengths, estimates remaining generation time per TP layout from a
-latency profile, and decides when and to which TP to reconfigure (saving > overhead, with hysteresis).
+latency profile, and decides whether to stay, rebalance requests across replicas or regroup to another TP
+(saving > overhead, with hysteresis).
 
 Pure: imports only the stdlib, pat_rollout.types and pat_rollout.profile.model (no torch, ray or sglang).
 """
@@ -9,9 +10,18 @@ from pat_rollout.planner.cost import TransitionCost, transition_cost
 from pat_rollout.planner.estimator import drain_s, replica_drain_s
 from pat_rollout.planner.policy import Option, Planner, PlannerConfig
 from pat_rollout.planner.predictor import LengthPredictor, PredictorConfig
+from pat_rollout.planner.rebalance import (
+    Move,
+    RebalanceCost,
+    RebalanceOption,
+    plan_moves,
+    rebalance_cost,
+    rebalance_option,
+)
 from pat_rollout.planner.state import ClusterState, Decision, ReqProgress
 
 __all__ = [
-    "ClusterState", "Decision", "LengthPredictor", "Option", "Planner", "PlannerConfig", "PredictorConfig",
-    "ReqProgress", "TransitionCost", "assign_new", "balance", "drain_s", "replica_drain_s", "transition_cost",
+    "ClusterState", "Decision", "LengthPredictor", "Move", "Option", "Planner", "PlannerConfig", "PredictorConfig",
+    "RebalanceCost", "RebalanceOption", "ReqProgress", "TransitionCost", "assign_new", "balance", "drain_s",
+    "plan_moves", "rebalance_cost", "rebalance_option", "replica_drain_s", "transition_cost",
 ]

@@ -31,6 +31,12 @@ class TransitionCost:
         return self.reshard_s + self.kv_s + self.switch_s
 
 
+def prefers_migration(model: LatencyModel, tp_dst: int, num_tokens: int) -> bool:
+    """The per-request hand-off rule of every overhead estimate (regroup and rebalance): migrate the KV of a
+    request with `num_tokens` cached tokens when that is no slower than recomputing it at TP=`tp_dst`."""
+    return model.kv_migrate_s(num_tokens * model.model.kv_bytes_per_token()) <= model.prefill_s(tp_dst, num_tokens)
+
+
 def transition_cost(model: LatencyModel, *, num_devices: int, tp_src: int, tp_dst: int,
                     num_tokens: Sequence[int]) -> TransitionCost:
     """Cost of switching num_devices devices from tp_src to tp_dst with running requests of `num_tokens` tokens
@@ -44,7 +50,7 @@ def transition_cost(model: LatencyModel, *, num_devices: int, tp_src: int, tp_ds
     recompute_tokens = 0
     num_migrated = 0
     for n in num_tokens:
-        if model.kv_migrate_s(n * kv_per_token) <= model.prefill_s(tp_dst, n):
+        if prefers_migration(model, tp_dst, n):
             mig_bytes += n * kv_per_token
             num_migrated += 1
         else:

@@ -1,7 +1,7 @@
-"""When and to which TP to reconfigure: compare predicted remaining time of every candidate layout, switch only
-when the predicted saving beats the overhead plus a margin, with hysteresis; pick each stage's starting layout from
-its batch. Estimates come from the profile corrected by what the pool measured (`calibration.py`). Pure stdlib,
-deterministic."""
+"""What to do now: stay, rebalance requests across the current replicas, or regroup to another TP (grow or
+shrink), and in which layout to start each stage. Compares the predicted remaining time of every action plus its
+overhead and acts only when the predicted saving beats a margin, with hysteresis. Estimates come from the profile
+corrected by what the pool measured (`calibration.py`). Pure stdlib, deterministic."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from pat_rollout.planner.calibration import Calibration, CalibrationConfig, Poll
 from pat_rollout.planner.cost import TransitionCost, transition_cost
 from pat_rollout.planner.estimator import drain_s
 from pat_rollout.planner.predictor import LengthPredictor, PredictorConfig
+from pat_rollout.planner.rebalance import RebalanceOption, rebalance_option
 from pat_rollout.planner.state import ClusterState, Decision
 from pat_rollout.profile.model import LatencyModel
 
@@ -30,7 +31,10 @@ class PlannerConfig:
     - start_layout: choose each stage's starting TP from its batch (else the stage starts where the pool is).
     - explore_max_ratio: at a stage start, try a candidate TP never measured on this pool when its predicted stage
       time is within this factor of the best (the profile may be wrong about it); 0 never explores.
-    - calibrate / calibration_alpha: correct the profile from measured polls and switches (EWMA weight)."""
+    - calibrate / calibration_alpha: correct the profile from measured polls and switches (EWMA weight).
+    - rebalance: also consider moving requests between the current replicas (where the pool can).
+    - max_rebalances_per_stage: hard cap on rebalances per stage; min_steps_between_switches also spaces
+      rebalances from any earlier action."""
 
     candidate_tps: tuple[int, ...]
     eval_every_steps: int = 64
@@ -44,6 +48,8 @@ class PlannerConfig:
     explore_max_ratio: float = 2.0
     calibrate: bool = True
     calibration_alpha: float = 0.5
+    rebalance: bool = True
+    max_rebalances_per_stage: int = 2
     predictor: PredictorConfig = field(default_factory=PredictorConfig)
 
     def __post_init__(self) -> None:
@@ -55,7 +61,7 @@ class PlannerConfig:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
         for name in ("min_gain_s", "min_gain_ratio", "min_steps_between_switches", "no_return_steps",
-                     "max_reconfigs_per_stage", "explore_max_ratio"):
+                     "max_reconfigs_per_stage", "explore_max_ratio", "max_rebalances_per_stage"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 0")
 
@@ -77,9 +83,11 @@ class Option:
 
 class Planner:
     """Decides reconfigurations for one pool. Per stage: `start_stage()`, feed `observe_finished` as requests
-    finish, call `decide(state)` every poll. A returned Decision is assumed applied at `state.step`."""
+    finish, call `decide(state)` every poll. A returned Decision is assumed applied at `state.step`.
+    `can_rebalance`: the pool it plans for can move requests between replicas (pool.supports_rebalance)."""
 
-    def __init__(self, model: LatencyModel, config: PlannerConfig, predictor: LengthPredictor | None = None) -> None:
+    def __init__(self, model: LatencyModel, config: PlannerConfig, predictor: LengthPredictor | None = None, *,
+                 can_rebalance: bool = False) -> None:
         missing = sorted(set(config.candidate_tps) - set(model.tps))
         if missing:
             raise ValueError(f"candidate_tps={config.candidate_tps}: tps {missing} are not in the profile "
@@ -88,12 +96,15 @@ class Planner:
         self.config = config
         self.predictor = predictor or LengthPredictor(config.predictor)
         self.calibration = Calibration(CalibrationConfig(alpha=config.calibration_alpha, enabled=config.calibrate))
+        self.can_rebalance = can_rebalance
         self.start_stage()
 
     def start_stage(self) -> None:
         """Reset per-stage state (switch history, evaluation clock, batch statistics)."""
         self.switches: list[tuple[int, int, int]] = []  # (step, tp_src, tp_dst)
         self.last_options: tuple[Option, ...] = ()
+        self.rebalances: list[int] = []  # steps of this stage's rebalances
+        self.last_rebalance: RebalanceOption | None = None
         self._last_eval_step: int | None = None
         self.start_decision: Decision | None = None
         self.start_explored = False
@@ -107,6 +118,12 @@ class Planner:
     def cancel(self, decision: Decision) -> None:
         """The driver could not apply `decision` (rolled back): forget the switch so hysteresis and the
         per-stage cap count only switches that happened."""
+        if decision.is_rebalance:
+            if not self.rebalances or self.rebalances[-1] != decision.step:
+                raise ValueError(f"rebalance at step={decision.step} is not the last recorded one; "
+                                 f"rebalances={self.rebalances}")
+            self.rebalances.pop()
+            return
         if not self.switches or self.switches[-1] != (decision.step, decision.source_tp, decision.target_tp):
             raise ValueError(f"decision step={decision.step} tp {decision.source_tp}->{decision.target_tp} is not "
                              f"the last recorded switch; switches={self.switches}")
@@ -234,23 +251,31 @@ class Planner:
         return ""
 
     def decide(self, state: ClusterState) -> Decision | None:
-        """A reconfiguration to apply now, or None. Evaluates at most once per eval_every_steps steps."""
+        """An action to apply now (a regroup or a rebalance), or None to stay. Evaluates at most once per
+        eval_every_steps steps."""
         cfg = self.config
         if not state.requests:
             return None
         if self._last_eval_step is not None and state.step - self._last_eval_step < cfg.eval_every_steps:
             return None
         self._last_eval_step = state.step
-        if not any(not self._why_not(state, tp) for tp in cfg.candidate_tps
-                   if tp != state.tp and state.num_devices % tp == 0):
+        rebalance_why_not = self._rebalance_why_not(state)
+        if rebalance_why_not and not any(not self._why_not(state, tp) for tp in cfg.candidate_tps
+                                         if tp != state.tp and state.num_devices % tp == 0):
             return None  # nothing allowed: skip the estimate
         now_s, options = self.evaluate(state)
         self.last_options = options
         allowed = [o for o in options if o.allowed]
+        margin = max(cfg.min_gain_s, cfg.min_gain_ratio * now_s)
+        # ---- rebalance: chosen over the best regroup only when its remaining time plus overhead is lower
+        self.last_rebalance = None if rebalance_why_not else self._rebalance_option(state)
+        rb = self.last_rebalance
+        if rb is not None and (not allowed or rb.total_s < min(o.total_s for o in allowed)):
+            return self._rebalance_decision(state, now_s, rb, margin)
+        # ---- regroup
         if not allowed:
             return None
         best = min(allowed, key=lambda o: (o.total_s, o.tp))
-        margin = max(cfg.min_gain_s, cfg.min_gain_ratio * now_s)
         saving = now_s - best.total_s
         if saving <= margin:
             logger.debug("step %d: stay at tp=%d (best tp=%d saves %.3fs <= margin %.3fs)", state.step, state.tp,
@@ -264,3 +289,43 @@ class Planner:
         return Decision(step=state.step, source_tp=state.tp, target_tp=best.tp, predicted_remaining_now_s=now_s,
                         predicted_remaining_target_s=best.remaining_s, predicted_overhead_s=best.cost.total_s,
                         reason=reason)
+
+    # ---- rebalance ---------------------------------------------------------------------------------
+    def _rebalance_why_not(self, state: ClusterState) -> str:
+        cfg = self.config
+        if not (cfg.rebalance and self.can_rebalance):
+            return "rebalance disabled" if not cfg.rebalance else "the pool cannot rebalance"
+        if state.num_replicas < 2:
+            return "one replica"
+        if any(r.replica is None for r in state.requests):
+            return "replicas of the requests unknown"
+        if len(self.rebalances) >= cfg.max_rebalances_per_stage:
+            return f"max_rebalances_per_stage={cfg.max_rebalances_per_stage} reached"
+        last = max([*self.rebalances, *(s for s, _, _ in self.switches)], default=None)
+        if last is not None and state.step - last < cfg.min_steps_between_switches:
+            return f"last action at step {last} < min_steps_between_switches={cfg.min_steps_between_switches} ago"
+        return ""
+
+    def _rebalance_option(self, state: ClusterState) -> RebalanceOption | None:
+        pred = self.predict_remaining(state)
+        return rebalance_option(self.estimator_model(), tp=state.tp, num_devices=state.num_devices,
+                                request_ids=[r.request_id for r in state.requests],
+                                replicas=[int(r.replica) for r in state.requests],  # type: ignore[arg-type]
+                                remaining=[pred[r.request_id] for r in state.requests],
+                                num_tokens=[r.num_tokens for r in state.requests])
+
+    def _rebalance_decision(self, state: ClusterState, now_s: float, rb: RebalanceOption,
+                            margin: float) -> Decision | None:
+        saving = now_s - rb.total_s
+        if saving <= margin:
+            logger.debug("step %d: stay (rebalancing %d requests saves %.3fs <= margin %.3fs)", state.step,
+                         len(rb.moves), saving, margin)
+            return None
+        reason = (f"{len(state.requests)} requests left: tp={state.tp} as assigned needs {now_s:.2f}s, moving "
+                  f"{len(rb.moves)} needs {rb.remaining_s:.2f}s + {rb.cost.total_s:.3f}s overhead "
+                  f"({rb.cost.num_migrated} migrated, {rb.cost.num_recomputed} recomputed); saving {saving:.2f}s > "
+                  f"margin {margin:.2f}s")
+        self.rebalances.append(state.step)
+        return Decision(step=state.step, source_tp=state.tp, target_tp=state.tp, predicted_remaining_now_s=now_s,
+                        predicted_remaining_target_s=rb.remaining_s, predicted_overhead_s=rb.cost.total_s,
+                        reason=reason, action="rebalance", moves=rb.moves)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pat_rollout.planner.rebalance import Move
+
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ReqProgress:
@@ -55,8 +57,9 @@ class ClusterState:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Decision:
-    """Reconfigure from `source_tp` to `target_tp` now. Times are predictions in seconds: remaining generation
-    time if we stay, remaining time after the switch (excluding overhead), and the switch overhead."""
+    """Act now. action "regroup": reconfigure from `source_tp` to `target_tp`; action "rebalance": apply `moves`
+    between replicas of the current layout (source_tp == target_tp). Times are predictions in seconds: remaining
+    generation time if we stay, remaining time after the action (excluding overhead), and its overhead."""
 
     step: int
     source_tp: int
@@ -65,6 +68,20 @@ class Decision:
     predicted_remaining_target_s: float
     predicted_overhead_s: float
     reason: str
+    action: str = "regroup"
+    moves: tuple[Move, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.action not in ("regroup", "rebalance"):
+            raise ValueError(f"action={self.action!r} must be 'regroup' or 'rebalance'")
+        if (self.action == "rebalance") != bool(self.moves) or (self.action == "rebalance"
+                                                                  and self.source_tp != self.target_tp):
+            raise ValueError(f"action={self.action!r} with {len(self.moves)} moves and tp {self.source_tp}->"
+                             f"{self.target_tp}: a rebalance has moves and keeps its TP, a regroup has no moves")
+
+    @property
+    def is_rebalance(self) -> bool:
+        return self.action == "rebalance"
 
     @property
     def predicted_saving_s(self) -> float:

@@ -165,6 +165,14 @@ class SglPool(Pool):
         return outs
 
     # ---- reconfiguration -------------------------------------------------------------------------
+    supports_rebalance = False  # the planner does not offer rebalancing on this pool
+
+    def rebalance(self, moves: dict[str, int], assignment: dict[str, int]) -> Any:
+        raise NotImplementedError(
+            "SglPool cannot rebalance yet: moving a request between SGLang ranks of the same layout needs a "
+            "per-request export/import between their radix caches (pool_switch only moves KV inside a layout "
+            "switch); use the reference engine or a regroup")
+
     def reconfigure(self, dst_tp: int, assignment: dict[str, int]) -> ReconfigResult:
         asyncio.set_event_loop(self.client.loop)
         t_start = time.perf_counter()

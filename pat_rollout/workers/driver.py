@@ -23,6 +23,7 @@ from pat_rollout.engine.ref.config import RefEngineConfig, check_request
 from pat_rollout.layout import Layout, model_shard_specs
 from pat_rollout.planner.balance import assign_new
 from pat_rollout.planner.calibration import ReconfigSample
+from pat_rollout.planner.state import Decision
 from pat_rollout.types import Request, RequestOutput
 from pat_rollout.workers.errors import PoolBrokenError, WorkerError
 from pat_rollout.workers.metrics import StageMetrics
@@ -85,6 +86,8 @@ class RolloutDriver:
             from pat_rollout.sglang.pool import SglPool
 
             self.pool = SglPool(config, self.spec, self.base, cost=cost)
+        if self.planner is not None:
+            self.planner.can_rebalance = self.pool.supports_rebalance
         self._lock = threading.Condition()
         self._inbox: list[tuple[Request, cf.Future]] = []
         self._futures: dict[str, cf.Future] = {}
@@ -97,6 +100,7 @@ class RolloutDriver:
         self._num_polls = 0
         self._manual_tp: int | None = None  # a pending reconfigure(tp) call
         self._manual_err: Exception | None = None
+        self._manual_moves: dict[str, int] | None = None  # a pending rebalance(moves) call
         self._abort = False
         self._aborted: list[RequestOutput] = []
         self.last_reconfig = None  # ReconfigResult of the latest switch
@@ -111,6 +115,11 @@ class RolloutDriver:
     @property
     def layout(self) -> Layout:
         return self.pool.layout
+
+    @property
+    def assignment(self) -> dict[str, int]:
+        """A copy of request id -> replica of every unfinished request."""
+        return dict(self._assignment)
 
     def submit(self, request: Request) -> cf.Future:
         """Queue `request`; the future resolves to its RequestOutput. Requests that can never run
@@ -259,7 +268,7 @@ class RolloutDriver:
         while True:
             with self._lock:
                 while not (self._inbox or self._futures or self._stop or self._manual_tp
-                           or self._abort):
+                           or self._abort or self._manual_moves is not None):
                     self._lock.wait()
                 if self._stop:
                     return
@@ -270,6 +279,8 @@ class RolloutDriver:
                     continue
                 if self._manual_tp:
                     self._manual_reconfigure()
+                if self._manual_moves is not None:
+                    self._manual_rebalance()
                 if new and not self._futures:
                     self._start_stage([req for req, _ in new])
                 self._dispatch(new)
@@ -346,6 +357,8 @@ class RolloutDriver:
             step, snap = results[r]
             self._stage.num_decode_tokens += step.num_decode_tokens
             self._stage.num_prefill_tokens += step.num_prefill_tokens
+            if step.finished:
+                self._stage.record_replica_finish(r)
             done.extend(self._finish(out) for out in step.finished)
             for info in snap.running:
                 self._progress[info.request_id] = info
@@ -395,6 +408,9 @@ class RolloutDriver:
                               self.layout.tp_size, self._requests, self._progress, self._prompt_keys,
                               self._assignment)
         decision = self.planner.decide(state)
+        if decision is not None and decision.is_rebalance:
+            self._planned_rebalance(decision)
+            return
         if decision is None or decision.target_tp == self.layout.tp_size:
             return
         logger.info("planner: %s -> TP%d (%s)", self.layout, decision.target_tp, decision.reason)
@@ -447,6 +463,57 @@ class RolloutDriver:
             with self._lock:
                 self._manual_err = err
                 self._manual_tp = None
+
+    # ---- rebalance (workers/rebalance.py): move requests between replicas of the current layout ----------
+    def rebalance(self, moves: dict[str, int]) -> None:
+        """Move unfinished requests to other replicas now (request id -> replica; requests that finished or
+        already sit there are skipped). Mostly for tests and demos; the planner decides it itself."""
+        if not self.pool.supports_rebalance:
+            raise NotImplementedError(f"{type(self.pool).__name__} cannot rebalance (supports_rebalance=False)")
+        with self._lock:
+            self._manual_moves = dict(moves)
+            self._lock.notify_all()
+        while True:
+            with self._lock:
+                if self._manual_moves is None:
+                    err, self._manual_err = self._manual_err, None
+                    break
+            time.sleep(0.005)
+        if err is not None:
+            raise err
+
+    def _manual_rebalance(self) -> None:
+        err = None
+        try:
+            moves = {rid: r for rid, r in self._manual_moves.items() if self._assignment.get(rid, r) != r}
+            if moves:
+                if self._stage is None:
+                    self._stage = StageMetrics()
+                self._apply_rebalance(moves)
+        except Exception as e:
+            err = e
+        finally:
+            with self._lock:
+                self._manual_err = err
+                self._manual_moves = None
+
+    def _planned_rebalance(self, decision: Decision) -> None:
+        logger.info("planner: rebalance %d requests in %s (%s)", len(decision.moves), self.layout, decision.reason)
+        try:
+            self._apply_rebalance({m.request_id: m.dst for m in decision.moves})
+        except ReconfigurationError as e:  # moved requests re-admitted where they were: keep generating
+            logger.error("%s", e)
+            self.planner.cancel(decision)
+
+    def _apply_rebalance(self, moves: dict[str, int]) -> None:
+        try:
+            result = self.pool.rebalance(moves, self._assignment)
+        except ReconfigurationError as e:
+            self._stage.num_failed_rebalances += 1
+            self._assignment = dict(e.assignment)
+            raise
+        self._assignment = {rid: result.assignment[rid] for rid in self._assignment}
+        self._stage.record_rebalance(result.phase_s, len(moves), len(result.migrated), len(result.recomputed))
 
     def _do_abort(self, new: list[tuple[Request, cf.Future]]) -> None:
         outs = []

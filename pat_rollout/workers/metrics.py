@@ -24,11 +24,32 @@ class StageMetrics:
     response_lengths: list[int] = field(default_factory=list)
     last_switch_s: float | None = None
     planner: dict[str, float] = field(default_factory=dict)  # the planner's own stage metrics (calibration, start)
+    num_rebalances: int = 0
+    num_failed_rebalances: int = 0
+    num_rebalanced: int = 0  # requests moved between replicas of one layout
+    rebalance_phase_s: dict[str, float] = field(default_factory=dict)
+    replica_finish_s: dict[int, float] = field(default_factory=dict)  # replica -> its latest completion
+
+    def record_rebalance(self, phase_s: dict[str, float], num_moved: int, num_migrated: int,
+                         num_recomputed: int) -> None:
+        """A rebalance moved `num_moved` requests; its hand-offs count in num_migrated / num_recomputed too."""
+        self.num_rebalances += 1
+        self.num_rebalanced += num_moved
+        self.num_migrated += num_migrated
+        self.num_recomputed += num_recomputed
+        for phase, sec in phase_s.items():
+            self.rebalance_phase_s[phase] = self.rebalance_phase_s.get(phase, 0.0) + sec
+
+    def record_replica_finish(self, replica: int) -> None:
+        """A request of `replica` (of the current layout) finished now."""
+        self.replica_finish_s[replica] = time.perf_counter()
 
     def add_phase(self, phase: str, seconds: float) -> None:
         self.phase_s[phase] = self.phase_s.get(phase, 0.0) + seconds
 
     def record_layout(self, layout: str) -> None:
+        if self.layouts and self.layouts[-1][1] != layout:
+            self.replica_finish_s.clear()  # the finish spread is over the replicas of the last layout
         self.layouts.append((time.perf_counter() - self.start_s, layout))
 
     def finish(self) -> None:
@@ -51,9 +72,16 @@ class StageMetrics:
             f"{prefix}/response_length_mean": sum(lengths) / len(lengths),
             f"{prefix}/response_length_max": max(lengths),
             f"{prefix}/tail_time_after_switch_s": (end - self.last_switch_s) if self.last_switch_s else 0.0,
+            f"{prefix}/num_rebalances": self.num_rebalances,
+            f"{prefix}/num_failed_rebalances": self.num_failed_rebalances,
+            f"{prefix}/num_rebalanced": self.num_rebalanced,
+            f"{prefix}/replica_finish_spread_s": (max(self.replica_finish_s.values()) - min(self.replica_finish_s.values())
+                                                  if self.replica_finish_s else 0.0),
             f"{prefix}/layouts": " -> ".join(f"{layout}@{t:.2f}s" for t, layout in self.layouts),
         }
         for phase, s in sorted(self.phase_s.items()):
             out[f"{prefix}/reconfig_{phase}_s"] = s
+        for phase, s in sorted(self.rebalance_phase_s.items()):
+            out[f"{prefix}/rebalance_{phase}_s"] = s
         out.update(self.planner)
         return out

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pat_rollout.engine.base import EngineSnapshot, StepResult
 from pat_rollout.layout import Layout
@@ -19,6 +19,9 @@ from pat_rollout.workers.reconfigure import ReconfigResult
 
 __all__ = ["Pool", "PoolBrokenError", "RefPool", "WorkerError"]
 
+if TYPE_CHECKING:
+    from pat_rollout.workers.rebalance import RebalanceResult
+
 
 class Pool(ABC):
     """`num_devices` devices in `layout`; replica r is `layout.groups[r]`. Called from one thread."""
@@ -26,6 +29,7 @@ class Pool(ABC):
     num_devices: int
     layout: Layout
     base: Layout
+    supports_rebalance: bool = False  # the planner offers rebalancing only where this is True
 
     @abstractmethod
     def add_requests(self, per_replica: dict[int, list[Request]]) -> None:
@@ -40,6 +44,13 @@ class Pool(ABC):
         """Move to TP `dst_tp`, keeping every unfinished request (`assignment`: request id -> replica).
         On failure roll back to `base`, re-admit every request and raise ReconfigurationError whose
         `assignment` says where each request now runs."""
+
+    def rebalance(self, moves: dict[str, int], assignment: dict[str, int]) -> RebalanceResult:
+        """Move unfinished requests to other replicas of the current layout (`moves`: request id -> replica),
+        keeping every request. On failure re-admit each moved request on its source replica and raise
+        RebalanceError. Pools that cannot (supports_rebalance False) refuse."""
+        raise NotImplementedError(f"{type(self).__name__} cannot move requests between replicas "
+                                  "(supports_rebalance=False)")
 
     @abstractmethod
     def abort_all(self) -> list[RequestOutput]:
@@ -66,6 +77,8 @@ class Pool(ABC):
 class RefPool(Pool):
     """The reference engine: one Ray `ShardWorker` actor per device, reconfigured by the `Reconfigurer`.
     Every call has a deadline `deadline(tokens)` from the tokens it may process (prefill + decode)."""
+
+    supports_rebalance = True
 
     def __init__(self, group: Any, reconfigurer: Any, base: Layout, *,
                  deadline: Callable[[int], float] | None = None, max_num_seqs: int = 256,
@@ -110,6 +123,14 @@ class RefPool(Pool):
         self.layout = result.dst
         self._prefill_tokens += self.kv_capacity_tokens
         return result
+
+    def rebalance(self, moves: dict[str, int], assignment: dict[str, int]) -> RebalanceResult:
+        from pat_rollout.workers.rebalance import run_rebalance
+
+        try:
+            return run_rebalance(self.reconfigurer, self.layout, moves, assignment)
+        finally:
+            self._prefill_tokens += self.kv_capacity_tokens  # moved requests may recompute their context
 
     def abort_all(self) -> list[RequestOutput]:
         per_device = self.group.call(range(self.num_devices), "abort_all", what="abort", timeout=self.deadline(0))

@@ -13,12 +13,12 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, NoReturn
 
 from pat_rollout.kv.cost import HandoffCost, choose_handoff
-from pat_rollout.kv.plan import plan_kv
+from pat_rollout.kv.plan import KVPlan, plan_kv
 from pat_rollout.layout import Layout
 from pat_rollout.layout.transition import PlanCache, plan_layout
 from pat_rollout.planner.balance import balance
@@ -108,15 +108,12 @@ class Reconfigurer:
         try:
             t = time.perf_counter()
             per_device = self.group.call(devices, "export_requests", what=phase, timeout=self.deadline(0))
-            states = _unique_states(src, per_device)
+            states = unique_states(src, per_device)
             result.phase_s["export"] = time.perf_counter() - t
             assignment = balance_states(states, dst.num_replicas)
-            migrated, recomputed = [], []
-            for s in states:
-                (migrated if self._method(s, dst) == "migrate" else recomputed).append(s)
-            moves = [(s.request_id, src.groups[old_assignment[s.request_id]], dst.groups[assignment[s.request_id]],
-                      s.num_cached_tokens) for s in migrated]
-            kv_transfers = plan_kv(moves, self.spec.num_kv_heads)
+            migrated, _, kv_transfers = plan_handoff(
+                states, lambda s: self._method(s, dst), {rid: src.groups[r] for rid, r in old_assignment.items()},
+                {rid: dst.groups[r] for rid, r in assignment.items()}, self.spec.num_kv_heads)
 
             phase, t = "KV hand-off", time.perf_counter()
             self.group.call(devices, "handoff_kv", kv_transfers, what=phase,
@@ -132,7 +129,8 @@ class Reconfigurer:
             result.phase_s["switch"] = time.perf_counter() - t
 
             phase, t = "import", time.perf_counter()
-            reports = self._import(dst, states, assignment, {s.request_id for s in migrated}, what=phase)
+            reports = import_states(self.group, dst, states, assignment, {s.request_id for s in migrated},
+                                    what=phase, timeout=self.deadline(0))
             result.phase_s["import"] = time.perf_counter() - t
         except Exception as e:
             self._fail(e, phase, src, dst_tp, states)
@@ -182,26 +180,43 @@ class Reconfigurer:
                     unique.setdefault(s.request_id, s)
             states = list(unique.values())
         assignment = balance_states(states, self.base.num_replicas)
-        self._import(self.base, states, assignment, set(), what="rollback import")
+        import_states(self.group, self.base, states, assignment, set(), what="rollback import",
+                      timeout=self.deadline(0))
         return states, assignment
 
-    def _import(self, layout: Layout, states: list[RequestState], assignment: dict[str, int], migrated: set[str], *,
-                what: str) -> list[dict]:
-        """Every device of replica r imports the requests assigned to r; those in `migrated` take their KV
-        from the hand-off, the rest are recomputed. Returns the replica leads' import reports."""
-        calls = {}
-        for r, group in enumerate(layout.groups):
-            mine = [s for s in states if assignment[s.request_id] == r]
-            ids = [s.request_id for s in mine if s.request_id in migrated]
-            for d in group:
-                calls[d] = ("import_requests", (mine, ids))
-        reports = dict(zip(calls, self.group.call_each(calls, what=what, timeout=self.deadline(0))))
-        leads = {group[0] for group in layout.groups}
-        # Bytes count on every device; request outcomes once per replica (its TP ranks decide alike).
-        return [dict(rep, fallbacks=rep["fallbacks"] if d in leads else ()) for d, rep in reports.items()]
+
+# ---- steps shared with workers/rebalance.py ---------------------------------------------------------------
+def plan_handoff(states: list[RequestState], method: Callable[[RequestState], str],
+                 src_groups: Mapping[str, tuple[int, ...]], dst_groups: Mapping[str, tuple[int, ...]],
+                 num_kv_heads: int) -> tuple[list[RequestState], list[RequestState], KVPlan]:
+    """Split `states` by `method(state)` ("migrate" or "recompute") and plan the KV hand-off of the migrated
+    ones from their replica's devices (`src_groups[request_id]`) to their new replica's (`dst_groups`)."""
+    migrated, recomputed = [], []
+    for s in states:
+        (migrated if method(s) == "migrate" else recomputed).append(s)
+    moves = [(s.request_id, src_groups[s.request_id], dst_groups[s.request_id], s.num_cached_tokens)
+             for s in migrated]
+    return migrated, recomputed, plan_kv(moves, num_kv_heads)
 
 
-def _unique_states(layout: Layout, per_device: list[list[RequestState]]) -> list[RequestState]:
+def import_states(group: WorkerGroup, layout: Layout, states: list[RequestState], assignment: Mapping[str, int],
+                  migrated: set[str], *, what: str, timeout: float | None = None,
+                  replicas: Iterable[int] | None = None) -> list[dict]:
+    """Every device of replica r (of `replicas`, default all) imports the requests assigned to r; those in
+    `migrated` take their KV from the hand-off, the rest are recomputed. Returns the import reports, with request
+    outcomes (`fallbacks`) kept once per replica (its TP ranks decide alike) and bytes counted on every device."""
+    calls = {}
+    for r in range(layout.num_replicas) if replicas is None else replicas:
+        mine = [s for s in states if assignment[s.request_id] == r]
+        ids = [s.request_id for s in mine if s.request_id in migrated]
+        for d in layout.groups[r]:
+            calls[d] = ("import_requests", (mine, ids))
+    reports = dict(zip(calls, group.call_each(calls, what=what, timeout=timeout)))
+    leads = {layout.groups[r][0] for r in range(layout.num_replicas)}
+    return [dict(rep, fallbacks=rep["fallbacks"] if d in leads else ()) for d, rep in reports.items()]
+
+
+def unique_states(layout: Layout, per_device: list[list[RequestState]]) -> list[RequestState]:
     """Every TP rank of a replica exports the same requests; keep TP rank 0's and check the rest."""
     states: list[RequestState] = []
     for group in layout.groups:

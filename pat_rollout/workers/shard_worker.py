@@ -161,10 +161,13 @@ class ShardWorker:
         self.engine.resume(tags)
 
     # ---- reconfiguration phases (called on every device, in this order) ------------------------
-    def export_requests(self) -> list[RequestState]:
-        self._ensure_backup()
+    def export_requests(self, request_ids: list[str] | None = None) -> list[RequestState]:
+        """Lift out every unfinished request (a reconfiguration: take the weight backup first), or only
+        `request_ids` (a rebalance moves a few and touches no weights)."""
+        if request_ids is None:
+            self._ensure_backup()
         self._maybe_fail("export")
-        states = self.engine.export_requests(None)
+        states = self.engine.export_requests(request_ids)
         self._exported = {s.request_id: s for s in states}
         return states
 
@@ -210,6 +213,26 @@ class ShardWorker:
         received, self._kv_bytes_received = self._kv_bytes_received, 0
         return {"seconds": time.perf_counter() - t0, "num_with_kv": len(kv) - len(fallbacks),
                 "fallbacks": tuple(fallbacks), "kv_bytes_received": received}
+
+    # ---- rebalance (workers/rebalance.py): export + handoff_kv + import above, plus these two ---------
+    def release_exported(self) -> None:
+        """Free the KV blocks of the requests exported to another replica (their KV has been handed off)."""
+        self._maybe_fail("release")
+        self.engine.free_exported()
+        self._exported.clear()
+
+    def drop_requests(self, request_ids: list[str]) -> list[RequestState]:
+        """Rollback of a failed rebalance: remove `request_ids` wherever they are on this device (exported,
+        running or waiting), free their KV and return their states; the driver re-imports them."""
+        self._incoming_kv.clear()
+        wanted = set(request_ids)
+        live = [s.request_id for s in (*self.engine.scheduler.running, *self.engine.scheduler.waiting)
+                if s.request_id in wanted]
+        dropped = [s for rid, s in self._exported.items() if rid in wanted]
+        dropped += self.engine.export_requests(live) if live else []
+        self.engine.free_exported()
+        self._exported.clear()
+        return dropped
 
     def rollback(self, layout: Layout, init_method: str | None = None) -> list[RequestState]:
         """Return to the base `layout` after a failed reconfiguration, restoring this device's shard from

@@ -38,3 +38,13 @@ def wait_first_done(futures, timeout: float = 120) -> None:
     while not any(f.done() for f in futures):
         assert time.time() - t0 < timeout, "no request finished"
         time.sleep(0.005)
+
+
+def one_replica_long(requests: list[Request], num_replicas: int, num_long: int = 2) -> list[Request]:
+    """Reorder so least-inflight dispatch (replica 0, 1, ..., num_replicas - 1, 0, ...) puts the first
+    `num_long` requests (the long ones of `skewed_requests`) all on replica 0."""
+    longs, shorts = list(requests[:num_long]), list(requests[num_long:])
+    out = []
+    while longs or shorts:
+        out.append(longs.pop(0) if len(out) % num_replicas == 0 and longs else shorts.pop(0))
+    return out
