@@ -33,7 +33,7 @@ HEAD_PID=
 stop_head() {
     if [[ -n "$HEAD_PID" ]]; then
         kill -TERM -- "-$HEAD_PID" 2>/dev/null || true
-        for _ in $(seq 30); do kill -0 -- "-$HEAD_PID" 2>/dev/null || break; sleep 1; done
+        for _ in $(seq 15); do kill -0 -- "-$HEAD_PID" 2>/dev/null || break; sleep 1; done
         kill -KILL -- "-$HEAD_PID" 2>/dev/null || true
     fi
     rm -rf "$HEAD_TMP"
@@ -46,6 +46,7 @@ env -u RAY_ADDRESS setsid "$RAY_BIN" start --head --block --temp-dir="$HEAD_TMP"
     --ray-client-server-port="$CLIENT_PORT" --dashboard-agent-listen-port="$AGENT_PORT" \
     --num-cpus=32 --num-gpus="$NUM_ACTORS" --disable-usage-stats > "$HEAD_TMP/head.log" 2>&1 &
 HEAD_PID=$!
+disown "$HEAD_PID"   # stop_head reaps it; no job-status noise from bash
 export RAY_ADDRESS=http://127.0.0.1:$DASH_PORT
 for _ in $(seq 120); do
     "$RAY_BIN" job list >/dev/null 2>&1 && break
