@@ -132,6 +132,7 @@ ARGS=(
     "trainer.project_name=pat_grpo_cpu"
     "trainer.experiment_name=$EXPERIMENT"
     "trainer.default_local_dir=$WORK_DIR/$EXPERIMENT/ckpt"
+    "hydra.run.dir=$WORK_DIR/$EXPERIMENT/hydra"   # not ./outputs/ in the checkout
 )
 if [[ "$LAUNCH" == local ]]; then
     # A private local Ray instance: fake GPUs (one per actor) and enough logical CPUs for verl's actors
