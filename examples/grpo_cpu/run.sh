@@ -17,7 +17,9 @@ set -euo pipefail
 
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 REPO=$(cd "$HERE/../.." && pwd)
-PYTHON=${PYTHON:-python3}
+# the project's venv (`make install`) if there is one
+[[ -x "$REPO/.venv/bin/python" ]] && DEFAULT_PYTHON=$REPO/.venv/bin/python || DEFAULT_PYTHON=python3
+PYTHON=${PYTHON:-$DEFAULT_PYTHON}
 WORK_DIR=${WORK_DIR:-/tmp/pat_grpo_cpu}
 ALGO=${ALGO:-grpo}
 KL=${KL:-0}

@@ -14,7 +14,9 @@
 set -euo pipefail
 
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
-PYTHON=${PYTHON:-python3}
+REPO=$(cd "$HERE/../.." && pwd)
+[[ -x "$REPO/.venv/bin/python" ]] && DEFAULT_PYTHON=$REPO/.venv/bin/python || DEFAULT_PYTHON=python3
+export PYTHON=${PYTHON:-$DEFAULT_PYTHON}
 export WORK_DIR=${WORK_DIR:-/tmp/pat_grpo_cpu}
 export RAY_AUTH_MODE=${RAY_AUTH_MODE:-disabled} RAY_USAGE_STATS_ENABLED=0
 NUM_ACTORS=${NUM_ACTORS:-2}
