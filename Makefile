@@ -63,8 +63,10 @@ $(VSGL_STAMP): setup.py $(CPU_REQS)
 	$(VSGL_VENV)/bin/python -m pip install -q --no-deps -e .
 	touch $(VSGL_STAMP)
 
+# verl_e2e (verl's main_ppo on the reference engine, ~4 min) already ran in `make test`; not again here.
 test-verl-sglang: $(VSGL_STAMP)
-	$(VSGL_VENV)/bin/python -m pytest tests/sglang_backend tests/verl -q -rs -p no:cacheprovider --timeout=900
+	$(VSGL_VENV)/bin/python -m pytest tests/sglang_backend tests/verl -q -rs -p no:cacheprovider --timeout=900 \
+		-m "not verl_e2e"
 
 demo: $(STAMP)
 	$(PY) -m pat_rollout.demo

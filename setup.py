@@ -21,7 +21,9 @@ setup(
     ],
     extras_require={
         "test": ["pytest>=8", "pytest-timeout", "ruff"],
-        "verl": ["verl==0.9.1", "fastapi", "uvicorn", "cachetools", "msgspec", "pyzmq"],
+        # TransferQueue: verl 0.9.1's v1 trainer (trainer.use_v1=true, its default); verl lists it only in its
+        # verl-core extra (>=0.1.10). Pinned to the version the end-to-end tests ran with.
+        "verl": ["verl==0.9.1", "TransferQueue==0.1.11", "fastapi", "uvicorn", "cachetools", "msgspec", "pyzmq"],
         # No "sglang" extra: sglang and verl 0.9.1 pin disjoint transformers versions, so pip cannot resolve both;
         # see recipes/deepscaler/README.md (GPU) and the Makefile's install-sglang / install-verl-sglang (CPU tests).
     },

@@ -16,10 +16,10 @@ How the metrics reach the logged `metrics` dict depends on verl's trainer (verl 
   `sleep_replicas`, i.e. for the stage that just finished.
 - V1 trainer (`trainer.use_v1=True`, the default; `verl/trainer/ppo/v1/trainer_base.py`): the manager's
   `generate_sequences` only dispatches prompts (it returns None; outputs go to TransferQueue) and the trainer
-  builds `metrics` from the replay buffer, the actor/critic outputs and TransferQueue fields only; nothing a
-  custom AgentLoopManager returns is read. `create` therefore hands back verl's plain `AgentLoopManagerTQ`
-  there (so one config value works for both trainers) and PAT's metrics stay in the PatServer logs
-  (`PatServer.sleep`) and `collect_pat_metrics`.
+  reads nothing a custom AgentLoopManager returns. `create` therefore hands back verl's plain
+  `AgentLoopManagerTQ` there (so one config value works for both trainers), and PAT's metrics reach the v1
+  trainer through its replay buffer instead: `pat_rollout.verl.replay_buffer.PatReplayBuffer`
+  (`trainer.v1.sampler.custom_sampler`), under the same `timing_s/pat/*` names.
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ from pat_rollout.verl.replica import reduce_pat_metrics
 logger = logging.getLogger(__name__)
 
 FQN = "pat_rollout.verl.agent_loop.PatAgentLoopManager"
+REPLAY_BUFFER_PATH = "pkg://pat_rollout.verl.replay_buffer"  # = replay_buffer.PATH (that module imports this one)
 # Policy-rollout PatServer actors (see replica.server_actor_name); reward/teacher servers carry a role infix.
 _POLICY_SERVER_NAME = re.compile(r"^pat_server_\d+$")
 
@@ -76,9 +77,11 @@ class PatAgentLoopManager(AgentLoopManager):
         if _uses_v1_agent_loop(config):
             from verl.trainer.ppo.v1 import AgentLoopManagerTQ
 
-            logger.warning("pat_rollout: the V1 trainer reads no metrics from the AgentLoopManager; PAT stage "
-                           "metrics are only logged by the PatServer actors (use trainer.use_v1=False to get "
-                           "them in the trainer's metrics as timing_s/pat/*)")
+            sampler = config.trainer.v1.sampler.get("custom_sampler", None) or {}
+            if sampler.get("path") != REPLAY_BUFFER_PATH:
+                logger.warning("pat_rollout: the V1 trainer reads no metrics from the AgentLoopManager; to log PAT's "
+                               "stage metrics (timing_s/pat/*) set trainer.v1.sampler.custom_sampler.path=%s and "
+                               ".name=PatReplayBuffer (pat_rollout/verl/replay_buffer.py)", REPLAY_BUFFER_PATH)
             return AgentLoopManagerTQ.create(*args, **kwargs)
         return super().create(*args, **kwargs)
 

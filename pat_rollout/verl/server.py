@@ -72,6 +72,7 @@ class PatServer:
         self._driver_factory = driver_factory or default_driver_factory
         self._driver: Any = None
         self.global_steps: int | None = None
+        self._weight_sync_tp: int | None = None  # TP size the pool was in when the last weights were loaded
         self._resumed = asyncio.Event()
         self._resumed.set()
         self._reject = False
@@ -187,6 +188,7 @@ class PatServer:
     async def update_weights(self, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
         """Load one bucket of full HF-named tensors (the driver restores the base layout first)."""
         await asyncio.to_thread(self._driver.update_weights, named_tensors)
+        self._weight_sync_tp = self._driver.layout.tp_size
 
     async def set_global_steps(self, global_steps: int | None) -> None:
         self.global_steps = global_steps
@@ -203,9 +205,16 @@ class PatServer:
 
     # ---------------------------------------------------------------- metrics and profiling
     async def get_metrics(self) -> dict[str, float]:
-        """`pat/*` metrics of the last generation stage (RolloutDriver.stage_metrics)."""
+        """`pat/*` metrics of the last generation stage (RolloutDriver.stage_metrics), plus
+        `pat/stage_end_tp`: the TP size of the pool's layout now, i.e. where the stage ended (verl reads metrics
+        before its weight update), and `pat/weight_sync_tp`: the TP size the pool was in when the latest weights
+        were loaded (the base layout's, since the driver returns there first; absent before the first update)."""
         metrics = await asyncio.to_thread(self._driver.stage_metrics)
-        return {**metrics, "pat/replica_rank": float(self.replica_rank)}
+        metrics = {**metrics, "pat/replica_rank": float(self.replica_rank),
+                   "pat/stage_end_tp": float(self._driver.layout.tp_size)}
+        if self._weight_sync_tp is not None:
+            metrics["pat/weight_sync_tp"] = float(self._weight_sync_tp)
+        return metrics
 
     async def start_profile(self, **kwargs: Any) -> None:
         logger.warning("PAT server: start_profile is not implemented; ignored")

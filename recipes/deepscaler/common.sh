@@ -55,9 +55,11 @@ COMMON_ARGS=(
     "reward.custom_reward_function.path=recipes/deepscaler/deepscaler_reward.py"
     "reward.custom_reward_function.name=compute_score"
     "trainer.critic_warmup=0"
-    # false: verl's legacy RayPPOTrainer, the trainer through which PAT's stage metrics reach wandb
-    # (timing_s/pat/*); true: verl's default v1 trainer, which has no such path (see README.md, Metrics).
+    # false: verl's legacy RayPPOTrainer; true: verl's default v1 trainer. PAT's stage metrics reach wandb as
+    # timing_s/pat/* with both: PatAgentLoopManager (legacy) and PatReplayBuffer (v1; see README.md, Metrics).
     "trainer.use_v1=${VERL_USE_V1:-false}"
+    "trainer.v1.sampler.custom_sampler.path=pkg://pat_rollout.verl.replay_buffer"
+    "trainer.v1.sampler.custom_sampler.name=PatReplayBuffer"
     "trainer.logger=[console,wandb]"
     "trainer.project_name=pat_deepscaler"
     "trainer.nnodes=$NNODES"

@@ -21,7 +21,10 @@ class FakeRolloutDriver:
         import torch
         from transformers import AutoModelForCausalLM
 
+        from pat_rollout.layout import Layout
+
         self.config = config
+        self.layout = Layout.uniform(config.num_devices, config.initial_tp)  # the fake never reconfigures
         self.model = AutoModelForCausalLM.from_pretrained(config.model_path, dtype=torch.float32).eval()
         self.eos = set(self.model.config.eos_token_id if isinstance(self.model.config.eos_token_id, list)
                        else [self.model.config.eos_token_id])

@@ -22,6 +22,7 @@ from verl_helpers import compose_ppo, pat_server_manager  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 FQN = "pat_rollout.verl.agent_loop.PatAgentLoopManager"
+SAMPLER = {"path": "pkg://pat_rollout.verl.replay_buffer", "name": "PatReplayBuffer"}  # v1 trainer's PAT metrics
 PROMPT_LEN, RESPONSE_LEN, TP, NUM_WORKERS = 64, 8, 2, 4  # 4 dummy trainer "GPUs" -> 2 PAT pools of 2
 
 
@@ -49,8 +50,10 @@ def test_recipes_and_plugin_yaml_select_the_manager(tmp_path):
         cfg = compose_ppo(overrides)
         assert cfg.actor_rollout_ref.rollout.agent.agent_loop_manager_class == FQN, script.name
         assert cfg.trainer.use_v1 is False, script.name
+        assert dict(cfg.trainer.v1.sampler.custom_sampler) == SAMPLER, script.name  # for VERL_USE_V1=true
     cfg = compose_ppo([], config_dir=str(Path(pv.__file__).parent / "config"), config_name="pat_ppo")
     assert cfg.actor_rollout_ref.rollout.agent.agent_loop_manager_class == FQN
+    assert dict(cfg.trainer.v1.sampler.custom_sampler) == SAMPLER
     from verl.utils.config import omega_conf_to_dataclass
 
     assert omega_conf_to_dataclass(cfg.actor_rollout_ref.rollout).agent.agent_loop_manager_class == FQN
