@@ -102,16 +102,18 @@ ARGS=(
     "+actor_rollout_ref.rollout.engine_kwargs.pat.policy=$PAT_POLICY"
     "+actor_rollout_ref.rollout.engine_kwargs.pat.initial_tp=1"
     "+actor_rollout_ref.rollout.engine_kwargs.pat.candidate_tps=$CANDIDATE_TPS"
-    # Make PAT switch on CPU (a demonstration setting, not a tuning): on these cores a gloo all-reduce costs
-    # about a millisecond, so the profile measured here predicts no gain from a larger TP and PAT rightly stays
-    # put. The builtin H100 profile predicts one, and with no minimum gain and an evaluation every poll (8
-    # decode steps) the planner switches mid-stage in every step. The driver returns to the base layout (all
-    # TP=1) before each weight update and at the start of each stage.
+    # Make PAT switch mid-stage on CPU in every step (a demonstration setting, not a tuning): the builtin H100
+    # profile predicts a gain from a larger TP; with no minimum gain, an evaluation every poll (8 decode steps),
+    # no stage-start layout choice and no online calibration (which would learn that this CPU is no H100 and
+    # stop switching, or start the stage in the larger layout) the planner switches mid-stage in every step.
+    # The driver returns to the base layout (all TP=1) before each weight update and at the start of each stage.
     "+actor_rollout_ref.rollout.engine_kwargs.pat.profile_path=h100_llama31_8b"
     "+actor_rollout_ref.rollout.engine_kwargs.pat.steps_per_poll=8"
     "+actor_rollout_ref.rollout.engine_kwargs.pat.planner.eval_every_steps=8"
     "+actor_rollout_ref.rollout.engine_kwargs.pat.planner.min_gain_s=0.0"
     "+actor_rollout_ref.rollout.engine_kwargs.pat.planner.min_gain_ratio=0.0"
+    "+actor_rollout_ref.rollout.engine_kwargs.pat.planner.start_layout=false"
+    "+actor_rollout_ref.rollout.engine_kwargs.pat.planner.calibrate=false"
     # v1 trainer: PAT's stage metrics reach its logged metrics through this replay buffer (trainer_mode=sync)
     "trainer.v1.sampler.custom_sampler.path=pkg://pat_rollout.verl.replay_buffer"
     "trainer.v1.sampler.custom_sampler.name=PatReplayBuffer"

@@ -49,7 +49,7 @@ class WorkerInit:
     comm_timeout_s: float = 1800.0  # every collective and transfer; a blocked peer errors out after this
 
 
-FAULT_PHASES = ("export", "kv", "reshard", "switch", "import", "step", "rollback")
+FAULT_PHASES = ("export", "kv", "reshard", "switch", "import", "step", "rollback", "release")
 
 
 class ShardWorker:
