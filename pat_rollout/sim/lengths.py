@@ -15,13 +15,12 @@ verl's per-step `response_length/*` columns. Pure stdlib.
 from __future__ import annotations
 
 import csv
-import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
 from statistics import NormalDist
 
-from pat_rollout.sim.traces import Trace, TraceRecord
+from pat_rollout.sim.traces import Trace, TraceRecord, read_jsonl
 
 LENGTH_KEYS = ("response_len", "response_length", "length")
 
@@ -172,16 +171,6 @@ def read_lengths(path: str | Path, opt: LengthsOptions | None = None) -> list[Tr
             rows = [(f"{p}:{n + 2}", row) for n, row in enumerate(csv.DictReader(f))]
         return _from_rows(rows, opt, p.stem)
     if p.suffix in (".jsonl", ".json"):
-        rows = []
-        for n, text in enumerate(p.read_text().splitlines()):
-            if not text.strip():
-                continue
-            try:
-                obj = json.loads(text)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{p}:{n + 1}: not valid JSON: {e}") from e
-            if not isinstance(obj, dict):
-                raise ValueError(f"{p}:{n + 1}: expected a JSON object per line")
-            rows.append((f"{p}:{n + 1}", obj))
+        rows = [(f"{p}:{n}", obj) for n, obj in read_jsonl(p, "a JSON object per line")]
         return _from_rows(rows, opt, p.stem)
     raise ValueError(f"{p}: unknown format {p.suffix!r}; expected .csv or .jsonl")

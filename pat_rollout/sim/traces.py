@@ -121,6 +121,23 @@ def _parse_rows(rows: Iterable[tuple[int, dict[str, object]]], path: Path) -> li
     return out
 
 
+def read_jsonl(path: Path, expected: str = "a JSON object") -> list[tuple[int, dict]]:
+    """(1-based line number, object) for every non-blank line of a JSONL file; ValueError naming the line on
+    invalid JSON or a line that is not an object (`expected` says what one should be)."""
+    rows = []
+    for n, text in enumerate(path.read_text().splitlines()):
+        if not text.strip():
+            continue
+        try:
+            obj = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}:{n + 1}: not valid JSON: {e}") from e
+        if not isinstance(obj, dict):
+            raise ValueError(f"{path}:{n + 1}: expected {expected}")
+        rows.append((n + 1, obj))
+    return rows
+
+
 def read_trace(path: str | Path, *, max_new_tokens: int | None = None) -> Trace:
     """Read a .csv (header row) or .jsonl trace with prompt_id, prompt_len, response_len per request.
     max_new_tokens defaults to the longest response in the file."""
@@ -135,18 +152,7 @@ def read_trace(path: str | Path, *, max_new_tokens: int | None = None) -> Trace:
                 raise ValueError(f"{p}: header {reader.fieldnames} is missing columns {missing}")
             records = _parse_rows(((n + 2, row) for n, row in enumerate(reader)), p)
     elif p.suffix in (".jsonl", ".json"):
-        rows = []
-        for n, text in enumerate(p.read_text().splitlines()):
-            if not text.strip():
-                continue
-            try:
-                obj = json.loads(text)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{p}:{n + 1}: not valid JSON: {e}") from e
-            if not isinstance(obj, dict):
-                raise ValueError(f"{p}:{n + 1}: expected a JSON object with keys {list(COLUMNS)}")
-            rows.append((n + 1, obj))
-        records = _parse_rows(rows, p)
+        records = _parse_rows(read_jsonl(p, f"a JSON object with keys {list(COLUMNS)}"), p)
     else:
         raise ValueError(f"{p}: unknown trace format {p.suffix!r}; expected .csv or .jsonl")
     if not records:
