@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import random
+import threading
 import time
 
+import pytest
 from profile_helpers import write_profile  # noqa: F401  (re-exported: tests import it from here)
 
 from pat_rollout.config import PatRolloutConfig
@@ -30,6 +32,26 @@ def pool_config(model_path: str, **kw) -> PatRolloutConfig:
                 steps_per_poll=2, policy="manual", initial_tp=1)
     base.update(kw)
     return PatRolloutConfig(**base)
+
+
+def bounded(fn, seconds: float = 60):
+    """fn() in a thread; its result or exception, or a test failure if it is still running after `seconds`."""
+    box: dict = {}
+
+    def run():
+        try:
+            box["value"] = fn()
+        except BaseException as e:  # re-raised in the caller
+            box["error"] = e
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(seconds)
+    if t.is_alive():
+        pytest.fail(f"{getattr(fn, '__name__', fn)} hung for more than {seconds} s")
+    if "error" in box:
+        raise box["error"]
+    return box.get("value")
 
 
 def wait_first_done(futures, timeout: float = 120) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from pool_helpers import pool_config, skewed_requests, wait_first_done
+from pool_helpers import bounded, pool_config, skewed_requests, wait_first_done
 from safetensors.torch import load_file
 
 from pat_rollout.layout import Layout
@@ -19,18 +19,19 @@ def test_4xtp1_to_2xtp2_to_1xtp4(ray_cluster, tiny_models):
     cfg = dict(num_devices=4, kv_handoff="migrate", steps_per_poll=4)
     static = RolloutDriver(pool_config(tiny_models["qwen3"], policy="static", **cfg))
     try:
-        reference = static.generate(requests)
+        reference = static.generate(requests, timeout=300)
     finally:
         static.shutdown()
     driver = RolloutDriver(pool_config(tiny_models["qwen3"], **cfg))
     try:
         futures = [driver.submit(r) for r in requests]
         wait_first_done(futures)
-        driver.reconfigure(2)
+        bounded(lambda: driver.reconfigure(2), 300)
         assert driver.layout.num_replicas == 2
-        driver.reconfigure(4)
+        bounded(lambda: driver.reconfigure(4), 300)
         assert driver.layout.groups == ((0, 2, 1, 3),)  # interleaved: every new shard is a slice of the old
-        driver.reconfigure(1)  # one shrink straight back: the base itself, not [[0],[2],[1],[3]]
+        # one shrink straight back: the base itself, not [[0],[2],[1],[3]]
+        bounded(lambda: driver.reconfigure(1), 300)
         assert driver.layout == Layout.uniform(4, 1)
         outputs = [f.result(timeout=300) for f in futures]
         metrics = driver.stage_metrics()

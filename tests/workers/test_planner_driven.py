@@ -19,15 +19,15 @@ def test_planner_reconfigures_when_batch_drains(ray_cluster, tiny_models, tiny_p
     requests = skewed_requests(n=8, long_len=64)
     static = RolloutDriver(pool_config(tiny_models["llama"], policy="static"))
     try:
-        reference = static.generate(requests)
+        reference = static.generate(requests, timeout=300)
     finally:
         static.shutdown()
     driver = RolloutDriver(pool_config(tiny_models["llama"], policy="pat", profile_path=tiny_profile,
                                        planner=PLANNER))
     try:
-        outputs = driver.generate(requests)
+        outputs = driver.generate(requests, timeout=300)
         metrics = driver.stage_metrics()
-        second = driver.generate(requests[:3])  # a new stage starts again from the base layout
+        second = driver.generate(requests[:3], timeout=300)  # a new stage starts again from the base layout
         metrics2 = driver.stage_metrics()
     finally:
         driver.shutdown()
@@ -47,7 +47,7 @@ def test_planner_stays_when_overhead_exceeds_benefit(ray_cluster, tiny_models, t
     profile = write_profile(tmp_path / "tp1_fast.json", fast_tp=1)
     driver = RolloutDriver(pool_config(tiny_models["llama"], policy="pat", profile_path=profile, planner=PLANNER))
     try:
-        driver.generate(skewed_requests(n=6, long_len=32))
+        driver.generate(skewed_requests(n=6, long_len=32), timeout=300)
         metrics = driver.stage_metrics()
     finally:
         driver.shutdown()
@@ -70,15 +70,15 @@ def test_stage_starts_in_the_layout_its_batch_favours_and_reports_calibration(ra
     few, many = skewed_requests(n=2, long_len=24), skewed_requests(n=8, long_len=8, short_len=6, seed=1)
     static = RolloutDriver(pool_config(tiny_models["llama"], policy="static"))
     try:
-        reference = static.generate(few) + static.generate(many)
+        reference = static.generate(few, timeout=300) + static.generate(many, timeout=300)
     finally:
         static.shutdown()
     driver = RolloutDriver(pool_config(tiny_models["llama"], policy="pat", profile_path=tiny_profile,
                                        planner=planner))
     try:
-        outputs = driver.generate(few)
+        outputs = driver.generate(few, timeout=300)
         m1 = driver.stage_metrics()
-        outputs += driver.generate(many)
+        outputs += driver.generate(many, timeout=300)
         m2 = driver.stage_metrics()
         samples = list(driver.samples)
     finally:

@@ -4,7 +4,7 @@ recomputation) finish exactly as in a static run; a failure in any phase re-admi
 from __future__ import annotations
 
 import pytest
-from pool_helpers import one_replica_long, pool_config, skewed_requests, wait_first_done
+from pool_helpers import bounded, one_replica_long, pool_config, skewed_requests, wait_first_done
 
 from pat_rollout.workers.driver import RolloutDriver
 from pat_rollout.workers.rebalance import RebalanceError
@@ -20,7 +20,7 @@ def _reference(model_path: str, requests, **cfg) -> list:
     if key not in _REFERENCE:
         driver = RolloutDriver(pool_config(model_path, policy="static", **cfg))
         try:
-            _REFERENCE[key] = driver.generate(requests)
+            _REFERENCE[key] = driver.generate(requests, timeout=300)
         finally:
             driver.shutdown()
     return _REFERENCE[key]
@@ -43,7 +43,7 @@ def test_rebalance_2_actors_matches_static(ray_cluster, tiny_models, handoff):
         futures = [driver.submit(r) for r in requests]
         wait_first_done(futures)
         assert {rid: r for rid, r in driver.assignment.items() if rid in ("r0", "r1")} == {"r0": 0, "r1": 0}
-        driver.rebalance({"r1": 1})  # the second long request joins the short ones
+        bounded(lambda: driver.rebalance({"r1": 1}), 300)  # the second long request joins the short ones
         assert driver.assignment.get("r1", 1) == 1 and str(driver.layout).startswith("2xTP1")
         outputs = [f.result(timeout=300) for f in futures]
         metrics = driver.stage_metrics()
@@ -66,11 +66,12 @@ def test_rebalance_4_actors_tp1_and_tp2_sampled(ray_cluster, tiny_models):
     try:
         futures = [driver.submit(r) for r in requests]
         wait_first_done(futures)
-        driver.rebalance({"r1": 3})  # 4 x TP1: replica 0 -> replica 3
-        driver.reconfigure(2)
+        bounded(lambda: driver.rebalance({"r1": 3}), 300)  # 4 x TP1: replica 0 -> replica 3
+        bounded(lambda: driver.reconfigure(2), 300)
         where = driver.assignment
         assert driver.layout.num_replicas == 2 and "r0" in where
-        driver.rebalance({"r0": 1 - where["r0"]})  # 2 x TP2: KV heads split over both devices of each replica
+        # 2 x TP2: KV heads split over both devices of each replica
+        bounded(lambda: driver.rebalance({"r0": 1 - where["r0"]}), 300)
         outputs = [f.result(timeout=300) for f in futures]
         metrics = driver.stage_metrics()
     finally:
@@ -90,10 +91,10 @@ def test_failed_rebalance_loses_nothing(ray_cluster, tiny_models):
         for device, phase in ((1, "import"), (0, "release"), (0, "export")):
             driver.pool.group.call([device], "fail_next", phase)
             with pytest.raises(RebalanceError, match=f"injected failure in phase '{phase}' on device {device}"):
-                driver.rebalance({"r1": 1})
+                bounded(lambda: driver.rebalance({"r1": 1}), 300)
             assert driver.assignment.get("r1", 0) == 0  # re-admitted on its source replica
         with pytest.raises(ValueError, match="cannot move to replica 5"):
-            driver.rebalance({"r1": 5})
+            bounded(lambda: driver.rebalance({"r1": 5}), 300)
         outputs = [f.result(timeout=300) for f in futures]
         metrics = driver.stage_metrics()
     finally:
@@ -113,7 +114,7 @@ def test_planner_rebalances_a_skewed_dispatch(ray_cluster, tiny_models, tmp_path
     planner = {"eval_every_steps": 2, "min_steps_between_switches": 2, "min_gain_s": 0.0, "min_gain_ratio": 0.0}
     driver = RolloutDriver(pool_config(tiny_models["llama"], policy="pat", profile_path=profile, planner=planner))
     try:
-        outputs = driver.generate(requests)
+        outputs = driver.generate(requests, timeout=300)
         metrics = driver.stage_metrics()
     finally:
         driver.shutdown()

@@ -5,11 +5,10 @@ that cannot recover is marked broken and says so at once. A hang is a test failu
 from __future__ import annotations
 
 import dataclasses
-import threading
 import time
 
 import pytest
-from pool_helpers import pool_config, skewed_requests, wait_first_done
+from pool_helpers import bounded, pool_config, skewed_requests, wait_first_done
 
 from pat_rollout.layout import Layout
 from pat_rollout.workers.driver import RolloutDriver
@@ -20,26 +19,6 @@ pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
 BASE = Layout.uniform(2, 1)
 CFG = dict(num_kv_blocks=128, kv_handoff="migrate")
-
-
-def bounded(fn, seconds: float = 60):
-    """fn() in a thread; its result or exception, or a test failure if it is still running after `seconds`."""
-    box: dict = {}
-
-    def run():
-        try:
-            box["value"] = fn()
-        except BaseException as e:  # re-raised in the caller
-            box["error"] = e
-
-    t = threading.Thread(target=run, daemon=True)
-    t.start()
-    t.join(seconds)
-    if t.is_alive():
-        pytest.fail(f"{getattr(fn, '__name__', fn)} hung for more than {seconds} s")
-    if "error" in box:
-        raise box["error"]
-    return box.get("value")
 
 
 @pytest.fixture(scope="module")
@@ -112,9 +91,9 @@ def test_hung_device_breaks_the_pool_with_a_clear_error(tiny_models, requests):
             assert isinstance(f.exception(), PoolBrokenError) and "device 1" in str(f.exception())
         t0 = time.monotonic()
         with pytest.raises(PoolBrokenError, match="pool is broken: .*KV hand-off"):
-            driver.generate(requests)
+            bounded(lambda: driver.generate(requests, timeout=60), 10)
         with pytest.raises(PoolBrokenError, match="pool is broken"):
-            driver.reconfigure(2)
+            bounded(lambda: driver.reconfigure(2), 10)
         assert time.monotonic() - t0 < 5  # at once, not after another deadline
     finally:
         bounded(driver.shutdown)
@@ -127,10 +106,10 @@ def test_errors_abort_engine_copies_and_batches_are_atomic(tiny_models, tmp_path
     driver = RolloutDriver(pool_config(tiny_models["llama"], **CFG))
     try:
         with pytest.raises(ValueError, match=r"\['r0'\] repeated in one batch; nothing was submitted"):
-            driver.generate([*requests, requests[0]])
+            bounded(lambda: driver.generate([*requests, requests[0]], timeout=60), 10)
         too_long = dataclasses.replace(skewed_requests(n=1, long_len=4000)[0], request_id="too_long")
         with pytest.raises(ValueError, match="max_new_tokens 4000"):
-            driver.generate([*requests[:3], too_long])
+            bounded(lambda: driver.generate([*requests[:3], too_long], timeout=60), 10)
         assert [o.token_ids for o in bounded(lambda: driver.generate(requests, timeout=120))] == reference
 
         _fail_next(driver, 0, "step")  # a device fails mid-decode: its requests fail, the engines forget them
@@ -141,18 +120,18 @@ def test_errors_abort_engine_copies_and_batches_are_atomic(tiny_models, tmp_path
         assert [i["num_unfinished"] for i in driver.worker_info()] == [0, 0]
         assert [o.token_ids for o in bounded(lambda: driver.generate(requests, timeout=120))] == reference
 
-        driver.release()
+        bounded(driver.release)
         with pytest.raises(RuntimeError, match=r"KV cache is released; call resume"):
-            driver.generate(requests)
-        driver.resume()
+            bounded(lambda: driver.generate(requests, timeout=60), 10)
+        bounded(driver.resume)
         assert [o.token_ids for o in bounded(lambda: driver.generate(requests, timeout=120))] == reference
 
         # verl sends an update in buckets: the rollback backup is taken once per update, not per bucket
         weights = sorted(load_file(f"{tiny_models['llama']}/model.safetensors").items())
         for i in range(3):
-            driver.update_weights((n, t.to(torch.float64)) for n, t in weights[i::3])
-        driver.reconfigure(2)
-        driver.reconfigure(1)
+            bounded(lambda: driver.update_weights((n, t.to(torch.float64)) for n, t in weights[i::3]))
+        bounded(lambda: driver.reconfigure(2))
+        bounded(lambda: driver.reconfigure(1))
         assert [i["num_backups"] for i in driver.worker_info()] == [2, 2]  # start-up, then this update
         assert [o.token_ids for o in bounded(lambda: driver.generate(requests, timeout=120))] == reference
     finally:
