@@ -7,10 +7,11 @@ import json
 import statistics
 from pathlib import Path
 
+from pat_rollout.kv.cost import handoff_cost
 from pat_rollout.planner.policy import Planner, PlannerConfig
 from pat_rollout.profile.model import BUILTIN_PROFILES, DATA_DIR, LatencyModel
 from pat_rollout.sim.hardware import FittedStepModel, SimHardware, ref_cpu_hardware
-from pat_rollout.sim.policies import PlannerPolicy, StaticPolicy, handoff_from_profile, run_policy
+from pat_rollout.sim.policies import PlannerPolicy, StaticPolicy, run_policy
 from pat_rollout.sim.simulator import SimResult
 from pat_rollout.sim.traces import Trace, TraceRecord
 
@@ -38,7 +39,7 @@ def predict_sequence(hw: SimHardware, cfg_name: str, policy: str, tp: int, plann
     if policy == "pat":
         model = LatencyModel.from_json(planner_profile)
         planner = Planner(model, PlannerConfig(candidate_tps=(1, 2), **planner_options))
-        handoff = handoff_from_profile(model)
+        handoff = handoff_cost(model)
     out, prev = [], None
     for trace in traces:
         pol = StaticPolicy(tp, name=cfg_name) if planner is None else PlannerPolicy(planner, tp, None, name=cfg_name)

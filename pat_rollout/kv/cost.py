@@ -8,6 +8,10 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from enum import Enum
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from pat_rollout.profile.model import LatencyModel
 
 logger = logging.getLogger(__name__)
 
@@ -108,3 +112,13 @@ def choose_handoff(num_cached_tokens: int, kv_bytes_per_token: int, tp_dst: int,
                    cost: HandoffCost, num_transfers: int = 1) -> HandoffDecision:
     """Function form of `HandoffCost.choose_handoff`."""
     return cost.choose_handoff(num_cached_tokens, kv_bytes_per_token, tp_dst, mode, num_transfers)
+
+
+def handoff_cost(model: LatencyModel) -> HandoffCost:
+    """KV migration vs recomputation constants from a latency profile (the one the planner uses): the driver's
+    and the simulator's hand-off choice read them from here."""
+    d = model.to_dict()
+    return HandoffCost(link_bytes_per_s=d["kv_transfer"]["bandwidth_bytes_per_s"],
+                       per_transfer_latency_s=d["kv_transfer"]["latency_s"],
+                       prefill_tokens_per_s=tuple((p["tp"], p["tokens_per_s"]) for p in d["prefill"]),
+                       prefill_latency_s=min(p.get("fixed_s", 0.0) for p in d["prefill"]))

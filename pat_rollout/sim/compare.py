@@ -9,10 +9,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pat_rollout.kv.cost import handoff_cost
 from pat_rollout.planner.policy import Planner, PlannerConfig
 from pat_rollout.profile.model import LatencyModel
 from pat_rollout.sim.hardware import SimHardware
-from pat_rollout.sim.policies import PlannerPolicy, StaticPolicy, handoff_from_profile, oracle, run_policy
+from pat_rollout.sim.policies import PlannerPolicy, StaticPolicy, oracle, run_policy
 from pat_rollout.sim.simulator import SimResult
 from pat_rollout.sim.traces import Trace
 
@@ -55,7 +56,7 @@ def compare(hw: SimHardware, planner_model: LatencyModel, trace: Trace, *, num_d
             with_oracle: bool = True) -> Comparison:
     """static-tp<x> for each candidate tp that divides num_devices, pat, and the oracle."""
     tps = sorted(tp for tp in planner_config.candidate_tps if num_devices % tp == 0)
-    handoff = handoff_from_profile(planner_model)
+    handoff = handoff_cost(planner_model)
     out = [run_policy(hw, trace, StaticPolicy(tp), num_devices=num_devices) for tp in tps]
     planner = Planner(planner_model, planner_config)
     out.append(run_policy(hw, trace, PlannerPolicy(planner, initial_tp, trace), num_devices=num_devices,

@@ -8,7 +8,6 @@ from dataclasses import dataclass
 
 from pat_rollout.kv.cost import HandoffCost
 from pat_rollout.planner.policy import Planner
-from pat_rollout.profile.model import LatencyModel
 from pat_rollout.sim.hardware import SimHardware
 from pat_rollout.sim.simulator import PollView, Reconfigure, Sim, SimResult
 from pat_rollout.sim.traces import Trace
@@ -68,15 +67,6 @@ class ScheduledPolicy:
             if view.num_unfinished <= count and tp > view.state.tp:
                 return Reconfigure(tp=tp)
         return None
-
-
-def handoff_from_profile(model: LatencyModel) -> HandoffCost:
-    """The driver's KV hand-off constants from the planner's profile (as workers.pat_planner.handoff_cost)."""
-    d = model.to_dict()
-    return HandoffCost(link_bytes_per_s=d["kv_transfer"]["bandwidth_bytes_per_s"],
-                       per_transfer_latency_s=d["kv_transfer"]["latency_s"],
-                       prefill_tokens_per_s=tuple((p["tp"], p["tokens_per_s"]) for p in d["prefill"]),
-                       prefill_latency_s=min(p.get("fixed_s", 0.0) for p in d["prefill"]))
 
 
 def thresholds(n: int) -> list[int]:

@@ -20,6 +20,7 @@ from typing import Any
 from pat_rollout.config import DTYPE_BYTES, PatRolloutConfig
 from pat_rollout.engine.base import RunningInfo
 from pat_rollout.engine.ref.config import RefEngineConfig, check_request
+from pat_rollout.kv.cost import handoff_cost
 from pat_rollout.layout import Layout, model_shard_specs
 from pat_rollout.planner.balance import assign_new
 from pat_rollout.planner.calibration import ReconfigSample
@@ -30,7 +31,6 @@ from pat_rollout.workers.metrics import StageMetrics
 from pat_rollout.workers.pat_planner import (
     build_planner,
     cluster_state,
-    handoff_cost,
     load_profile,
     poll_sample,
     prompt_key,

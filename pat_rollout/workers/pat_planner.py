@@ -1,5 +1,5 @@
-"""Glue between the driver and the pure planner: profile loading, planner construction, the
-hand-off cost model from the same profile, and ClusterState from the driver's bookkeeping."""
+"""Glue between the driver and the pure planner: profile loading, planner construction, and ClusterState /
+PollSample from the driver's bookkeeping (the hand-off constants come from the same profile: kv.cost.handoff_cost)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,6 @@ from pathlib import Path
 
 from pat_rollout.config import PatRolloutConfig
 from pat_rollout.engine.base import EngineSnapshot, RunningInfo, StepResult
-from pat_rollout.kv.cost import HandoffCost
 from pat_rollout.planner import ClusterState, Planner, ReqProgress
 from pat_rollout.planner.calibration import PollSample
 from pat_rollout.profile.model import BUILTIN_PROFILES, DATA_DIR, LatencyModel
@@ -39,16 +38,6 @@ def build_planner(config: PatRolloutConfig, spec: ModelSpec, model: LatencyModel
         raise ValueError(f"profile {model.meta.get('model')!r} has no decode points for TP sizes {missing}; "
                          f"it covers {list(model.tps)}")
     return Planner(model, config.planner_config())
-
-
-def handoff_cost(model: LatencyModel) -> HandoffCost:
-    """KV migration vs recomputation constants from the profile the planner uses."""
-    d = model.to_dict()
-    prefill = tuple((p["tp"], p["tokens_per_s"]) for p in d["prefill"])
-    fixed = min(p.get("fixed_s", 0.0) for p in d["prefill"])
-    return HandoffCost(link_bytes_per_s=d["kv_transfer"]["bandwidth_bytes_per_s"],
-                       per_transfer_latency_s=d["kv_transfer"]["latency_s"],
-                       prefill_tokens_per_s=prefill, prefill_latency_s=fixed)
 
 
 def prompt_key(prompt_token_ids: tuple[int, ...]) -> str:
