@@ -68,17 +68,20 @@ class PlannerConfig:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Option:
-    """One candidate layout as evaluated: predicted remaining seconds after switching, and the switch cost."""
+    """One candidate layout as evaluated: predicted remaining seconds after switching, the switch cost, and for a
+    shrink the cost of growing back (`return_s`): a draining batch wants the larger TP again for its tail, so a
+    shrink pays only when it covers the round trip."""
 
     tp: int
     remaining_s: float
     cost: TransitionCost
     allowed: bool
     why_not: str
+    return_s: float = 0.0
 
     @property
     def total_s(self) -> float:
-        return self.remaining_s + self.cost.total_s
+        return self.remaining_s + self.cost.total_s + self.return_s
 
 
 class Planner:
@@ -107,6 +110,7 @@ class Planner:
         self.last_rebalance: RebalanceOption | None = None
         self._last_eval_step: int | None = None
         self.start_decision: Decision | None = None
+        self.start_step: int | None = None  # step of this stage's start switch (a switch for min_steps_between_...)
         self.start_explored = False
         self.predictor.start_stage()
         self.calibration.start_stage()
@@ -118,6 +122,10 @@ class Planner:
     def cancel(self, decision: Decision) -> None:
         """The driver could not apply `decision` (rolled back): forget the switch so hysteresis and the
         per-stage cap count only switches that happened."""
+        if decision is self.start_decision:
+            self.start_decision = self.start_step = None
+            self.start_explored = False
+            return
         if decision.is_rebalance:
             if not self.rebalances or self.rebalances[-1] != decision.step:
                 raise ValueError(f"rebalance at step={decision.step} is not the last recorded one; "
@@ -161,7 +169,9 @@ class Planner:
             remaining_s = drain_s(model, tp=tp, num_devices=state.num_devices, remaining=remaining,
                                   num_tokens=tokens)
             cost = self._cost(model, state.num_devices, state.tp, tp, tokens)
-            options.append(Option(tp=tp, remaining_s=remaining_s, cost=cost, allowed=not why_not, why_not=why_not))
+            back = self._cost(model, state.num_devices, tp, state.tp, tokens).total_s if tp < state.tp else 0.0
+            options.append(Option(tp=tp, remaining_s=remaining_s, cost=cost, allowed=not why_not, why_not=why_not,
+                                  return_s=back))
         return now_s, tuple(options)
 
     def estimator_model(self) -> LatencyModel:
@@ -202,7 +212,10 @@ class Planner:
     def choose_start(self, state: ClusterState) -> Decision | None:
         """The layout to start this stage's batch in (before any request is dispatched), or None to stay at
         `state.tp`. Stays unless another layout is predicted to save more than the margin; explores a layout never
-        measured here once (see explore_max_ratio). Not counted as a switch by the hysteresis guards."""
+        measured here once (see explore_max_ratio). Not counted against max_reconfigs_per_stage; the next switch waits
+        min_steps_between_switches after it, and an explored layout is not left before a poll in it was measured
+        (else the next stage would explore it again). The layout the pool came from is not "left" for no_return_steps:
+        the previous stage chose it, not this batch."""
         cfg = self.config
         if not cfg.start_layout or not state.requests:
             return None
@@ -223,6 +236,7 @@ class Planner:
             return None
         run_s, cost = options[best]
         now_s = total.get(state.tp, float("inf"))
+        self.start_step = state.step
         self.start_decision = Decision(
             step=state.step, source_tp=state.tp, target_tp=best, predicted_remaining_now_s=now_s,
             predicted_remaining_target_s=run_s, predicted_overhead_s=cost.total_s,
@@ -242,9 +256,11 @@ class Planner:
             return "only_grow"
         if len(self.switches) >= cfg.max_reconfigs_per_stage:
             return f"max_reconfigs_per_stage={cfg.max_reconfigs_per_stage} reached"
-        if self.switches and state.step - self.switches[-1][0] < cfg.min_steps_between_switches:
-            return (f"last switch at step {self.switches[-1][0]} < "
-                    f"min_steps_between_switches={cfg.min_steps_between_switches} ago")
+        last = self.switches[-1][0] if self.switches else self.start_step
+        if last is not None and state.step - last < cfg.min_steps_between_switches:
+            return f"last switch at step {last} < min_steps_between_switches={cfg.min_steps_between_switches} ago"
+        if self.start_explored and not self.switches and state.tp not in self.calibration.observed_tps():
+            return f"exploring tp={state.tp}: no poll measured in it yet"
         for step, src, _ in reversed(self.switches):
             if src == tp and state.step - step < cfg.no_return_steps:
                 return f"left tp={tp} at step {step} < no_return_steps={cfg.no_return_steps} ago"
@@ -281,9 +297,10 @@ class Planner:
             logger.debug("step %d: stay at tp=%d (best tp=%d saves %.3fs <= margin %.3fs)", state.step, state.tp,
                          best.tp, saving, margin)
             return None
+        back = f" + {best.return_s:.3f}s to grow back" if best.return_s else ""
         reason = (f"{len(state.requests)} requests left: tp={state.tp} needs {now_s:.2f}s, tp={best.tp} needs "
                   f"{best.remaining_s:.2f}s + {best.cost.total_s:.3f}s overhead (reshard {best.cost.reshard_s:.3f}s, "
-                  f"kv {best.cost.kv_s:.3f}s, switch {best.cost.switch_s:.3f}s); saving {saving:.2f}s > margin "
+                  f"kv {best.cost.kv_s:.3f}s, switch {best.cost.switch_s:.3f}s){back}; saving {saving:.2f}s > margin "
                   f"{margin:.2f}s")
         self.switches.append((state.step, state.tp, best.tp))
         return Decision(step=state.step, source_tp=state.tp, target_tp=best.tp, predicted_remaining_now_s=now_s,
@@ -301,7 +318,8 @@ class Planner:
             return "replicas of the requests unknown"
         if len(self.rebalances) >= cfg.max_rebalances_per_stage:
             return f"max_rebalances_per_stage={cfg.max_rebalances_per_stage} reached"
-        last = max([*self.rebalances, *(s for s, _, _ in self.switches)], default=None)
+        starts = [] if self.start_step is None else [self.start_step]
+        last = max([*self.rebalances, *starts, *(s for s, _, _ in self.switches)], default=None)
         if last is not None and state.step - last < cfg.min_steps_between_switches:
             return f"last action at step {last} < min_steps_between_switches={cfg.min_steps_between_switches} ago"
         return ""

@@ -308,13 +308,16 @@ class RolloutDriver:
         # Measurements are valid for this model on this pool's layouts; the planner forgets them otherwise.
         self.planner.calibration.bind((self.spec, self.config.num_devices, self.config.tp_sizes))
         keys = {r.request_id: prompt_key(r.prompt_token_ids) for r in batch}
-        decision = self.planner.choose_start(start_state(self.config.num_devices, self.layout.tp_size, batch, keys))
+        step = self._num_polls * self.config.steps_per_poll
+        decision = self.planner.choose_start(start_state(step, self.config.num_devices, self.layout.tp_size, batch,
+                                                         keys))
         if decision is None:
             return
         logger.info("planner: %s -> TP%d (%s)", self.layout, decision.target_tp, decision.reason)
         try:
             self._apply_reconfigure(decision.target_tp)
         except ReconfigurationError as e:  # rolled back to the base layout: start there
+            self.planner.cancel(decision)
             logger.error("%s", e)
 
     def _end_stage(self) -> None:

@@ -62,9 +62,11 @@ def cluster_state(step: int, num_devices: int, tp: int, requests: Mapping[str, R
     return ClusterState(step=step, num_devices=num_devices, tp=tp, requests=tuple(reqs))
 
 
-def start_state(num_devices: int, tp: int, requests: list[Request], prompt_keys: Mapping[str, str]) -> ClusterState:
-    """The planner's view of a batch about to be dispatched (nothing generated, replicas not chosen yet)."""
-    return ClusterState(step=0, num_devices=num_devices, tp=tp, requests=tuple(
+def start_state(step: int, num_devices: int, tp: int, requests: list[Request],
+                prompt_keys: Mapping[str, str]) -> ClusterState:
+    """The planner's view of a batch about to be dispatched (nothing generated, replicas not chosen yet) at the
+    driver's step count `step` (the clock its hysteresis guards count in)."""
+    return ClusterState(step=step, num_devices=num_devices, tp=tp, requests=tuple(
         ReqProgress(request_id=r.request_id, prompt_key=prompt_keys.get(r.request_id),
                     num_prompt_tokens=len(r.prompt_token_ids), num_output_tokens=0,
                     max_new_tokens=r.sampling.max_new_tokens) for r in requests))

@@ -181,3 +181,40 @@ def test_config_validation() -> None:
     with pytest.raises(ValueError, match="alpha=0"):
         Planner(profile(), PlannerConfig(candidate_tps=(1,), calibration_alpha=0.0))
     assert math.isfinite(Calibration().decode_factor(1, 1))
+
+
+def test_start_switch_spaces_the_next_one_but_the_stage_may_grow_back_to_where_the_pool_came_from() -> None:
+    p = Planner(profile(), PlannerConfig(**{**CFG, "min_steps_between_switches": 16, "no_return_steps": 4096}))
+    d = p.choose_start(ClusterState(step=100, num_devices=2, tp=2, requests=reqs(16, 64)))  # driver's step clock
+    assert d is not None and d.target_tp == 1 and p.start_step == 100
+    assert p.decide(tail(1, step=108)) is None
+    assert "min_steps_between_switches=16" in p._why_not(tail(1, step=108), 2)
+    d = p.decide(tail(1, step=116))  # the tail wants TP2 back: the layout the previous stage left is not "left"
+    assert d is not None and d.target_tp == 2
+
+
+def test_an_explored_start_layout_is_not_left_before_a_poll_in_it_was_measured() -> None:
+    p = Planner(profile(tp2_scale=1.5), PlannerConfig(**CFG))
+    p.observe_poll(measured(1, 1))
+    d = p.choose_start(ClusterState(step=0, num_devices=2, tp=1, requests=reqs(1, 600)))
+    assert d is not None and d.target_tp == 2 and p.start_explored
+    full = ClusterState(step=10, num_devices=2, tp=2, requests=reqs(16, 400, done=10))  # profile: 2 x TP1 wins
+    assert p.decide(full) is None and p._why_not(full, 1) == "exploring tp=2: no poll measured in it yet"
+    p.observe_poll(measured(2, 16))
+    d = p.decide(ClusterState(step=11, num_devices=2, tp=2, requests=reqs(16, 400, done=11)))
+    assert d is not None and d.target_tp == 1  # measured now; the truth also says 2 x TP1 for a full batch
+
+
+def test_a_shrink_must_pay_for_growing_back() -> None:
+    state = ClusterState(step=50, num_devices=2, tp=2, requests=reqs(16, 400, done=10))
+    now_s, (opt,) = Planner(profile(switch_s=0.0), PlannerConfig(**CFG)).evaluate(state)
+    margin = PlannerConfig(candidate_tps=(1,)).min_gain_ratio * now_s  # min_gain_s is 0 in CFG
+    saving = now_s - opt.remaining_s
+    assert opt.tp == 1 and opt.return_s > 0
+    lo = (saving - margin - opt.cost.total_s - opt.return_s) / 2  # switch_s above this: the round trip does not pay
+    hi = saving - margin - opt.cost.total_s  # below this: the one-way shrink would
+    assert 0 < lo < hi
+    p = Planner(profile(switch_s=(lo + hi) / 2), PlannerConfig(**CFG))
+    assert p.decide(state) is None
+    (o,) = p.last_options
+    assert o.remaining_s + o.cost.total_s < now_s - margin < o.total_s
