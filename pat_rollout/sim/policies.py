@@ -7,7 +7,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from pat_rollout.kv.cost import HandoffCost
+from pat_rollout.planner.calibration import ReconfigSample
 from pat_rollout.planner.policy import Planner
+from pat_rollout.planner.state import ClusterState
 from pat_rollout.sim.hardware import SimHardware
 from pat_rollout.sim.simulator import PollView, Reconfigure, Sim, SimResult
 from pat_rollout.sim.traces import Trace
@@ -29,7 +31,10 @@ class StaticPolicy:
 
 
 class PlannerPolicy:
-    """The PAT planner: learns lengths only as requests finish (and from `trace.history`, earlier iterations)."""
+    """The PAT planner as the driver runs it: it picks the stage's starting layout from where the pool is
+    (`Planner.choose_start`; without `start_layout` the pool returns to `initial_tp` first), learns lengths only as
+    requests finish (and from `history`, earlier iterations) and calibrates from what the simulated pool measured.
+    One planner may serve several stages (one PlannerPolicy each): its calibration carries over, as on a driver."""
 
     def __init__(self, planner: Planner, initial_tp: int, history: Trace | None = None, name: str = "pat") -> None:
         self.planner = planner
@@ -42,7 +47,18 @@ class PlannerPolicy:
     def initial_tp(self) -> int:
         return self.tp0
 
+    def on_start(self, state: ClusterState) -> Reconfigure | None:
+        if not self.planner.config.start_layout:
+            return None if state.tp == self.tp0 else Reconfigure(tp=self.tp0)
+        d = self.planner.choose_start(state)
+        return None if d is None else Reconfigure(tp=d.target_tp, decision=d)
+
     def on_poll(self, view: PollView) -> Reconfigure | None:
+        for sample in view.samples:
+            if isinstance(sample, ReconfigSample):
+                self.planner.observe_reconfig(sample)
+            else:
+                self.planner.observe_poll(sample)
         for key, n in view.finished:
             self.planner.observe_finished(key, n)
         d = self.planner.decide(view.state)

@@ -42,6 +42,7 @@ class Replica:
         self.ratio = self.sched.init_ratio
         self.num_preempted = 0
         self.prefill_tokens = 0
+        self.decode_tokens = 0  # tokens sampled by decode steps (batch summed over steps): a poll's mean batch
         self.finished: list[tuple[float, SimReq]] = []
         self._order = 0
         self.slowdown = 1.0
@@ -210,6 +211,7 @@ class Replica:
                     self._hold(r, r.prompt_len + r.g - 1)
                 self.t += n * dt
                 self.steps += n
+                self.decode_tokens += n * b
                 done += n
                 self._decay(n)
                 self._collect()
@@ -224,6 +226,7 @@ class Replica:
             ctx = sum(r.prompt_len + r.g for r in self.running) / b
             dt = (step_model.decode_step_s(self.tp, b, ctx) + step_model.prefill_s(self.tp, prefill)) * self.slowdown
             self.prefill_tokens += prefill
+            self.decode_tokens += b
             for r in self.running:
                 r.g += 1
             self.t += dt

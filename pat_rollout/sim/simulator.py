@@ -4,9 +4,11 @@ The truth (`SimHardware`: step times, KV capacity, scheduler, driver loop, recon
 what a policy sees. A policy is asked at every poll with a `PollView` (the planner's ClusterState: progress
 counts only, never true lengths, plus the requests that finished since the last poll) and answers an action or
 None. Actions are records dispatched by type through `Sim.ACTIONS` (`Reconfigure(tp)` today; another action is one
-record class plus one handler registered there). Dispatch at stage start calls the driver's own
-planner.balance.assign_new; a reconfiguration rebalances with planner.balance.balance on context tokens, as the
-driver's Reconfigurer does. Pure stdlib.
+record class plus one handler registered there). Before dispatch a policy with an `on_start(state)` hook picks the
+stage's starting layout, as the driver's planner does; the view also carries what the pool "measured" since the
+previous poll (calibration.PollSample / ReconfigSample from the true times), as the driver feeds its planner.
+Dispatch at stage start calls the driver's own planner.balance.assign_new; a reconfiguration rebalances with
+planner.balance.balance on context tokens, as the driver's Reconfigurer does. Pure stdlib.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from typing import Any, Protocol
 
 from pat_rollout.kv.cost import HandoffCost
 from pat_rollout.planner.balance import assign_new, balance
+from pat_rollout.planner.calibration import PollSample, ReconfigSample
 from pat_rollout.planner.state import ClusterState, Decision, ReqProgress
 from pat_rollout.sim.hardware import SimHardware
 from pat_rollout.sim.replica import Replica, SimReq
@@ -34,17 +37,22 @@ class Reconfigure:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class PollView:
-    """What a policy sees at a poll: time, the ClusterState a real driver would build, and (prompt_key,
-    length) of the requests that finished since the previous poll, in finish order."""
+    """What a policy sees at a poll: time, the ClusterState a real driver would build, (prompt_key, length) of the
+    requests that finished since the previous poll in finish order, and what the pool measured since then (decode
+    polls without prefill, reconfigurations), as the driver's `_record_poll` / `_record_reconfig` report them."""
 
     t: float
     state: ClusterState
     finished: tuple[tuple[str, int], ...]
     num_unfinished: int
     num_total: int
+    samples: tuple[PollSample | ReconfigSample, ...] = ()
 
 
 class Policy(Protocol):
+    """`initial_tp()`: the stage's layout when the policy has no `on_start(state) -> Reconfigure | None` hook (the
+    pool returns there first); with the hook, the stage starts where the pool is unless the hook moves it."""
+
     name: str
 
     def initial_tp(self) -> int: ...
@@ -99,20 +107,34 @@ class Sim:
         self.num_preempted = 0
         self.prefill_tokens = 0
         self._pending: list[tuple[str, int]] = []
+        self._samples: list[PollSample | ReconfigSample] = []
         reqs = [SimReq(rid=f"r{i}", prompt_key=rec.prompt_id, prompt_len=rec.prompt_len, length=rec.response_len,
                        max_new=rec.max_new_tokens or trace.max_new_tokens) for i, rec in enumerate(trace.records)]
-        self.tp = policy.initial_tp()
+        tp_in = prev_tp if prev_tp is not None else policy.initial_tp()
+        self._check_tp(tp_in)
+        on_start = getattr(policy, "on_start", None)
+        start = on_start(self._start_state(reqs, tp_in)) if on_start else Reconfigure(tp=policy.initial_tp())
+        self.tp = start.tp if start is not None else tp_in
         self._check_tp(self.tp)
-        self.schedule: list[tuple[float, int]] = [(0.0, self.tp)]
-        self.replicas = [Replica(hw, self.tp) for _ in range(num_devices // self.tp)]
-        if prev_tp is not None and prev_tp != self.tp:
-            self.t = self.overhead = self._phase_s(prev_tp, self.tp, 0)
-            for rep in self.replicas:
-                rep.t = self.t
+        self.schedule: list[tuple[float, int]] = [(0.0, tp_in)]
+        if self.tp != tp_in:  # a switch with nothing running, inside this stage's time (as the driver does it)
+            self.t = self.overhead = self._phase_s(tp_in, self.tp, 0)
+            self.schedule.append((0.0, self.tp))
+            self._samples.append(ReconfigSample(num_devices=num_devices, tp_src=tp_in, tp_dst=self.tp,
+                                                num_tokens=(), elapsed_s=self.t))
+            if start is not None and start.decision is not None:
+                self.decisions.append(start.decision)
+        self.replicas = [Replica(hw, self.tp, self.t) for _ in range(num_devices // self.tp)]
         self.where: dict[str, int] = {}
         for r, rep in zip(reqs, assign_new([0] * len(self.replicas), [1] * len(reqs))):  # least-inflight
             self.replicas[rep].waiting.append(r)
             self.where[r.rid] = rep
+
+    def _start_state(self, reqs: list[SimReq], tp: int) -> ClusterState:
+        """The batch as the driver's planner sees it before dispatch (workers.pat_planner.start_state)."""
+        return ClusterState(step=0, num_devices=self.num_devices, tp=tp, requests=tuple(
+            ReqProgress(request_id=r.rid, prompt_key=r.prompt_key, num_prompt_tokens=r.prompt_len,
+                        num_output_tokens=0, max_new_tokens=r.max_new) for r in reqs))
 
     def _check_tp(self, tp: int) -> None:
         if tp < 1 or self.num_devices % tp:
@@ -126,13 +148,16 @@ class Sim:
         """One poll interval of generation."""
         d = self.hw.driver
         busy = [rep for rep in self.replicas if rep.busy]
+        before = {id(rep): (max(rep.t, self.t), rep.steps, rep.decode_tokens, rep.prefill_tokens) for rep in busy}
         slow = d.concurrency_slowdown if len(busy) > 1 else 1.0
         if d.lockstep:
+            t0 = self.t
             for rep in busy:
                 rep.t, rep.slowdown = self.t, slow
                 rep.run(d.steps_per_poll)
             self.t = max(rep.t for rep in busy) + d.poll_overhead_s
             self.step += d.steps_per_poll
+            self._record_poll(busy, before, [self.t - t0])
         else:
             t_next = self.t + d.poll_interval_s
             for rep in busy:
@@ -141,12 +166,31 @@ class Sim:
             ends = [rep.t for rep in busy]
             self.step = max(self.step, self._base_step + max(rep.steps for rep in self.replicas))
             self.t = t_next if any(rep.busy for rep in self.replicas) else max(ends)
+            for rep in busy:  # free-running replicas: each one is its own measurement
+                self._record_poll([rep], before, [rep.t - before[id(rep)][0]])
         for rep in busy:
             for t_fin, r in rep.finished:
                 self.finish_times.append(min(t_fin, self.t) if not d.lockstep else self.t)
                 self._pending.append((r.prompt_key, r.length))
                 self.where.pop(r.rid, None)
             rep.finished.clear()
+
+    def _record_poll(self, reps: list[Replica], before: dict, elapsed: list[float]) -> None:
+        """What the driver's poll_sample would report: nothing when a replica prefilled or none ran the whole poll;
+        else each replica's mean batch and its mean context at mid-poll."""
+        steps = max(rep.steps - before[id(rep)][1] for rep in reps)
+        if steps < 1 or elapsed[0] <= 0 or any(rep.prefill_tokens > before[id(rep)][3] for rep in reps):
+            return
+        stats = []
+        for rep in reps:
+            _, s0, dec0, _ = before[id(rep)]
+            if rep.steps - s0 != steps or not rep.running:
+                continue
+            ctx = sum(r.prompt_len + r.g for r in rep.running) / len(rep.running)
+            stats.append(((rep.decode_tokens - dec0) / steps, max(0.0, ctx - steps / 2.0)))
+        if stats:
+            self._samples.append(PollSample(tp=self.tp, replicas=tuple(stats), num_steps=steps,
+                                            elapsed_s=elapsed[0]))
 
     _base_step = 0
 
@@ -159,8 +203,8 @@ class Sim:
         reqs.sort(key=lambda p: p.request_id)
         state = ClusterState(step=self.step, num_devices=self.num_devices, tp=self.tp, requests=tuple(reqs))
         v = PollView(t=self.t, state=state, finished=tuple(self._pending), num_unfinished=self.num_unfinished,
-                     num_total=self.num_total)
-        self._pending = []
+                     num_total=self.num_total, samples=tuple(self._samples))
+        self._pending, self._samples = [], []
         return v
 
     def run(self, stop: Callable[[Sim], bool] | None = None) -> Sim:
@@ -209,6 +253,8 @@ class Sim:
                 r.cached = False
                 rep.waiting.append(r)
         self.schedule.append((t0, tp))
+        self._samples.append(ReconfigSample(num_devices=self.num_devices, tp_src=self.schedule[-2][1], tp_dst=tp,
+                                            num_tokens=tuple(r.prompt_len + r.g for r in reqs), elapsed_s=cost))
         if action.decision is not None:
             self.decisions.append(action.decision)
 

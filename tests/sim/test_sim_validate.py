@@ -17,6 +17,9 @@ def test_report_predicts_every_config_and_the_h100_planner_switches(capsys: pyte
     errors = report(measured, ["cpu_ref_llama_demo"])
     out = capsys.readouterr().out
     assert len(errors) == len(CONFIGS) * len(specs)
-    rows = [line for line in out.splitlines() if "PAT, H100 profile" in line]
-    assert len(rows) == 3 and all("TP1@0.0s -> TP2@" in r for r in rows)  # that profile makes the planner grow
+    for cfg in ("PAT, CPU profile", "PAT, H100 profile"):
+        layouts = [line.split("%  ")[1].split("  MISS")[0].split(" -> ") for line in out.splitlines() if cfg in line]
+        assert len(layouts) == 3 and any(len(stage) > 1 for stage in layouts)  # the planner switches
+        for prev, cur in zip(layouts, layouts[1:]):  # a stage starts in the layout the previous one ended in
+            assert cur[0] == prev[-1].split("@")[0] + "@0.0s"
     assert all("->" not in line for line in out.splitlines() if "static" in line)
