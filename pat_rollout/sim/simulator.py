@@ -176,10 +176,10 @@ class Sim:
             rep.finished.clear()
 
     def _record_poll(self, reps: list[Replica], before: dict, elapsed: list[float]) -> None:
-        """What the driver's poll_sample would report: nothing when a replica prefilled or none ran the whole poll;
-        else each replica's mean batch and its mean context at mid-poll."""
+        """What the driver's poll_sample would report: nothing when a replica prefilled or finished a request in the
+        poll or none ran the whole poll; else each replica's mean batch and its mean context at mid-poll."""
         steps = max(rep.steps - before[id(rep)][1] for rep in reps)
-        if steps < 1 or elapsed[0] <= 0 or any(rep.prefill_tokens > before[id(rep)][3] for rep in reps):
+        if steps < 1 or elapsed[0] <= 0 or any(rep.prefill_tokens > before[id(rep)][3] or rep.finished for rep in reps):
             return
         stats = []
         for rep in reps:

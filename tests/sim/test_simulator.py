@@ -209,3 +209,25 @@ def test_planner_policy_picks_the_start_layout_and_calibrates_from_the_simulated
     assert second.schedule[:2] == ((0.0, 1), (0.0, 2)) and "exploring" in second.decisions[0].reason
     assert planner.calibration.observed_tps() == {1, 2}
     assert planner.calibration.decode_factor(2, 1) == pytest.approx(1 / 3, rel=1e-6)
+
+
+def test_poll_samples_leave_out_polls_that_prefilled_or_finished_a_request() -> None:
+    from pat_rollout.planner.calibration import PollSample
+
+    class Watch(StaticPolicy):
+        def on_poll(self, view):
+            self.seen.append((view.state.step, view.num_unfinished, view.samples))
+
+    hw = _hw(10_000, steps_per_poll=1)
+    trace = Trace(name="t", records=(TraceRecord(prompt_id="a", prompt_len=4, response_len=3),
+                                     TraceRecord(prompt_id="b", prompt_len=4, response_len=6)), max_new_tokens=6)
+    pol = Watch(2)
+    pol.seen = []
+    Sim(hw, trace, num_devices=2, policy=pol).run()
+    by_step = {step: (left, samples) for step, left, samples in pol.seen}
+    assert by_step[1][1] == ()  # the prefill poll
+    (two,), (four,) = by_step[2][1], by_step[4][1]
+    assert isinstance(two, PollSample) and isinstance(four, PollSample)
+    assert (two.tp, two.replicas, two.num_steps, two.elapsed_s) == (2, ((2.0, 4 + 2 - 0.5),), 1, pytest.approx(0.5))
+    assert by_step[3] == (1, ())  # request a finished in this poll
+    assert (four.replicas, four.elapsed_s) == (((1.0, 4 + 4 - 0.5),), pytest.approx(0.5))

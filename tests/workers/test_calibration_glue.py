@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from pat_rollout.engine.base import EngineSnapshot, RunningInfo, StepResult
+from pat_rollout.types import RequestOutput
 from pat_rollout.workers.metrics import StageMetrics
 from pat_rollout.workers.pat_planner import poll_sample
 
@@ -28,6 +31,14 @@ def test_poll_sample_skips_prefill_and_drained_replicas() -> None:
     s = poll_sample(1, {0: _result(4, 4, [(20, 40)]), 1: _result(2, 2, [])}, 0.2)  # replica 1 drained mid-poll
     assert s is not None and s.replicas == ((1.0, 58.0),)
     assert poll_sample(1, {0: _result(0, 0, [])}, 0.2) is None
+
+
+def test_poll_sample_skips_polls_that_finished_a_request() -> None:
+    step, snap = _result(4, 6, [(20, 40)])
+    done = RequestOutput(request_id="r9", prompt_token_ids=(1, 2), token_ids=(3, 4), log_probs=(0.0, 0.0),
+                         finish_reason="length")
+    assert poll_sample(1, {0: (dataclasses.replace(step, finished=(done,)), snap)}, 0.2) is None
+    assert poll_sample(1, {0: (step, snap)}, 0.2) is not None
 
 
 def test_planner_metrics_reach_the_stage_dict() -> None:
