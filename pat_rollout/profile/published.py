@@ -1,4 +1,4 @@
-"""GPU step-time model built only from published figures (/work/shared/GPU_FIGURES.md), and the profiles the
+"""GPU step-time model built only from published figures (../shared/GPU_FIGURES.md), and the profiles the
 planner reads, made from it. Pure stdlib. NOT a measurement: every number is a cited figure, derived from cited
 figures by the formula below, or a stated assumption (listed as such in the profile's meta).
 
@@ -24,7 +24,7 @@ from typing import Any
 from pat_rollout.profile.model import DATA_DIR, SCHEMA_VERSION, ProfileModelShape
 
 VARIANTS = ("low", "central", "high")
-FIG = "/work/shared/GPU_FIGURES.md"
+FIG = "../shared/GPU_FIGURES.md"  # the project's file of published GPU figures, each with its source
 SRC = {
     "bs1": "sgl-project/sglang issue 1008: Llama-3-8B H100 bench_latency in 128/out 8, CUDA graph: TP1 bs1 7.37 ms, "
            "TP8 bs1 3.35 ms",
