@@ -116,9 +116,8 @@ def choose_handoff(num_cached_tokens: int, kv_bytes_per_token: int, tp_dst: int,
 
 def handoff_cost(model: LatencyModel) -> HandoffCost:
     """KV migration vs recomputation constants from a latency profile (the one the planner uses): the driver's
-    and the simulator's hand-off choice read them from here."""
-    d = model.to_dict()
-    return HandoffCost(link_bytes_per_s=d["kv_transfer"]["bandwidth_bytes_per_s"],
-                       per_transfer_latency_s=d["kv_transfer"]["latency_s"],
-                       prefill_tokens_per_s=tuple((p["tp"], p["tokens_per_s"]) for p in d["prefill"]),
-                       prefill_latency_s=min(p.get("fixed_s", 0.0) for p in d["prefill"]))
+    hand-off choice, the planner's overhead estimates and the simulator read them from here."""
+    prefill = model.prefill_table()
+    return HandoffCost(link_bytes_per_s=model.kv_bandwidth, per_transfer_latency_s=model.kv_latency_s,
+                       prefill_tokens_per_s=tuple((tp, rate) for tp, (rate, _) in sorted(prefill.items())),
+                       prefill_latency_s=min(fixed for _, fixed in prefill.values()))

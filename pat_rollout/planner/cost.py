@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from pat_rollout.kv.cost import HandoffCost, handoff_cost
 from pat_rollout.profile.model import LatencyModel
 
 
@@ -31,10 +32,12 @@ class TransitionCost:
         return self.reshard_s + self.kv_s + self.switch_s
 
 
-def prefers_migration(model: LatencyModel, tp_dst: int, num_tokens: int) -> bool:
-    """The per-request hand-off rule of every overhead estimate (regroup and rebalance): migrate the KV of a
-    request with `num_tokens` cached tokens when that is no slower than recomputing it at TP=`tp_dst`."""
-    return model.kv_migrate_s(num_tokens * model.model.kv_bytes_per_token()) <= model.prefill_s(tp_dst, num_tokens)
+def prefers_migration(model: LatencyModel, tp_dst: int, num_tokens: int, cost: HandoffCost | None = None) -> bool:
+    """The per-request hand-off rule of every overhead estimate (regroup and rebalance): the driver's own
+    (`kv.cost.HandoffCost.choose_handoff` in "auto" mode, constants from this profile; pass `cost` =
+    `handoff_cost(model)` when calling it in a loop)."""
+    cost = cost or handoff_cost(model)
+    return cost.choose_handoff(num_tokens, model.model.kv_bytes_per_token(), tp_dst).method.is_migrate
 
 
 def transition_cost(model: LatencyModel, *, num_devices: int, tp_src: int, tp_dst: int,
@@ -49,8 +52,9 @@ def transition_cost(model: LatencyModel, *, num_devices: int, tp_src: int, tp_ds
     mig_bytes = 0
     recompute_tokens = 0
     num_migrated = 0
+    handoff = handoff_cost(model)
     for n in num_tokens:
-        if prefers_migration(model, tp_dst, n):
+        if prefers_migration(model, tp_dst, n, handoff):
             mig_bytes += n * kv_per_token
             num_migrated += 1
         else:

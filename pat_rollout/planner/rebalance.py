@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from pat_rollout.kv.cost import handoff_cost
 from pat_rollout.planner.balance import balance
 from pat_rollout.planner.cost import prefers_migration
 from pat_rollout.planner.estimator import drain_s
@@ -110,9 +111,10 @@ def rebalance_cost(model: LatencyModel, *, tp: int, moves: Sequence[Move],
     kv_bytes: dict[int, float] = {}
     prefill_tokens: dict[int, int] = {}
     num_migrated = 0
+    handoff = handoff_cost(model)
     for m in moves:
         n = num_tokens[m.request_id]
-        if prefers_migration(model, tp, n):
+        if prefers_migration(model, tp, n, handoff):
             kv_bytes[m.dst] = kv_bytes.get(m.dst, 0.0) + n * model.model.kv_bytes_per_token()
             num_migrated += 1
         else:

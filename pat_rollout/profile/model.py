@@ -140,6 +140,10 @@ class LatencyModel:
         tokens_per_s, fixed_s = self._prefill[tp]
         return fixed_s + num_tokens / tokens_per_s
 
+    def prefill_table(self) -> dict[int, tuple[float, float]]:
+        """tp -> (prefill tokens/s, fixed seconds) as profiled."""
+        return dict(self._prefill)
+
     def kv_migrate_s(self, num_bytes: float) -> float:
         """Seconds for one device to send `num_bytes` of KV to another; 0 for 0 bytes."""
         return 0.0 if num_bytes <= 0 else self.kv_latency_s + num_bytes / self.kv_bandwidth
