@@ -157,7 +157,7 @@ class Sim:
                 rep.run(d.steps_per_poll)
             self.t = max(rep.t for rep in busy) + d.poll_overhead_s
             self.step += d.steps_per_poll
-            self._record_poll(busy, before, [self.t - t0])
+            self._record_poll(busy, before, self.t - t0)
         else:
             t_next = self.t + d.poll_interval_s
             for rep in busy:
@@ -167,7 +167,7 @@ class Sim:
             self.step = max(self.step, self._base_step + max(rep.steps for rep in self.replicas))
             self.t = t_next if any(rep.busy for rep in self.replicas) else max(ends)
             for rep in busy:  # free-running replicas: each one is its own measurement
-                self._record_poll([rep], before, [rep.t - before[id(rep)][0]])
+                self._record_poll([rep], before, rep.t - before[id(rep)][0])
         for rep in busy:
             for t_fin, r in rep.finished:
                 self.finish_times.append(min(t_fin, self.t) if not d.lockstep else self.t)
@@ -175,11 +175,11 @@ class Sim:
                 self.where.pop(r.rid, None)
             rep.finished.clear()
 
-    def _record_poll(self, reps: list[Replica], before: dict, elapsed: list[float]) -> None:
+    def _record_poll(self, reps: list[Replica], before: dict, elapsed_s: float) -> None:
         """What the driver's poll_sample would report: nothing when a replica prefilled or finished a request in the
         poll or none ran the whole poll; else each replica's mean batch and its mean context at mid-poll."""
         steps = max(rep.steps - before[id(rep)][1] for rep in reps)
-        if steps < 1 or elapsed[0] <= 0 or any(rep.prefill_tokens > before[id(rep)][3] or rep.finished for rep in reps):
+        if steps < 1 or elapsed_s <= 0 or any(rep.prefill_tokens > before[id(rep)][3] or rep.finished for rep in reps):
             return
         stats = []
         for rep in reps:
@@ -189,8 +189,7 @@ class Sim:
             ctx = sum(r.prompt_len + r.g for r in rep.running) / len(rep.running)
             stats.append(((rep.decode_tokens - dec0) / steps, max(0.0, ctx - steps / 2.0)))
         if stats:
-            self._samples.append(PollSample(tp=self.tp, replicas=tuple(stats), num_steps=steps,
-                                            elapsed_s=elapsed[0]))
+            self._samples.append(PollSample(tp=self.tp, replicas=tuple(stats), num_steps=steps, elapsed_s=elapsed_s))
 
     _base_step = 0
 
@@ -237,7 +236,8 @@ class Sim:
             self.prefill_tokens += rep.prefill_tokens
         reqs = [r for rep in self.replicas for r in rep.export()]
         migrate = [r for r in reqs if r.cached and self._migrates(r, tp)]
-        cost = self._phase_s(self.tp, tp, sum((r.prompt_len + r.g) * self.hw.kv_bytes_per_token for r in migrate))
+        src = self.tp
+        cost = self._phase_s(src, tp, sum((r.prompt_len + r.g) * self.hw.kv_bytes_per_token for r in migrate))
         self._base_step = self.step
         self.tp = tp
         self.t = t0 + cost
@@ -253,7 +253,7 @@ class Sim:
                 r.cached = False
                 rep.waiting.append(r)
         self.schedule.append((t0, tp))
-        self._samples.append(ReconfigSample(num_devices=self.num_devices, tp_src=self.schedule[-2][1], tp_dst=tp,
+        self._samples.append(ReconfigSample(num_devices=self.num_devices, tp_src=src, tp_dst=tp,
                                             num_tokens=tuple(r.prompt_len + r.g for r in reqs), elapsed_s=cost))
         if action.decision is not None:
             self.decisions.append(action.decision)
