@@ -141,3 +141,46 @@ def test_planner_policy_turns_rebalance_decisions_into_the_action() -> None:
     assert on.num_rebalances >= 1 and all(d.is_rebalance for d in on.decisions)
     assert on.num_rebalanced == sum(len(d.moves) for d in on.decisions)
     assert on.latency_s < out[False].latency_s
+
+
+def test_sim_rebalance_row_on_a_gpu_profile() -> None:
+    """bench.sim_rebalance's row: rebalance-only stays at the best static TP, regroup-only is sim_policies' pat
+    (never rebalances), and the oracle bounds the regroup-only planner."""
+    from pat_rollout.bench.sim_rebalance import row
+    from pat_rollout.sim.compare import gpu_setup
+    from pat_rollout.sim.traces import deepscaler_like
+
+    hw, prof = gpu_setup("h100", "llama31_8b", "central")
+    trace = deepscaler_like(num_prompts=16, samples_per_prompt=8, max_new_tokens=8192, seed=0)
+    r = row(hw, prof, trace, num_devices=8)
+    best_tp = int(r["static"].policy[len("static-tp"):])
+    assert {tp for _, tp in r["rebalance"].schedule} == {best_tp}
+    assert r["regroup"].num_rebalances == 0 and r["oracle"].num_rebalances == 0
+    assert r["oracle"].latency_s <= min(r["static"].latency_s, r["regroup"].latency_s) + 1e-9
+    for k in ("rebalance", "both"):
+        assert r[k].num_rebalanced == sum(len(d.moves) for d in r[k].decisions if d.is_rebalance)
+
+
+def test_rebalances_keep_shared_prefix_kv_exact_on_a_gpu_profile() -> None:
+    """SGLang's scheduler shares a GRPO group's prompt KV: after every rebalance each replica holds its members'
+    own tokens plus one prompt per group present, never above capacity, and nothing at the end."""
+    from pat_rollout.kv.cost import handoff_cost
+    from pat_rollout.sim.compare import gpu_setup
+    from pat_rollout.sim.traces import deepscaler_like
+
+    hw, prof = gpu_setup("h100", "llama31_8b", "central")
+    trace = deepscaler_like(num_prompts=32, samples_per_prompt=8, max_new_tokens=8192, seed=0)
+    pol = PlannerPolicy(Planner(prof, PlannerConfig(candidate_tps=(2,))), 2, trace, can_rebalance=True)
+    sim = Sim(hw, trace, num_devices=8, policy=pol, handoff=handoff_cost(prof))
+    reqs = [r for rep in sim.replicas for r in rep.waiting]
+
+    def check(s: Sim) -> bool:
+        for rep in s.replicas:
+            prompts = {r.prompt_key: r.prompt_len for r in rep.running}
+            assert set(prompts) == set(rep.groups)
+            assert rep.used == sum(r.alloc for r in rep.running) + sum(prompts.values()) <= rep.cap
+        return False
+
+    res = sim.run(stop=check).result("pat")
+    assert res.num_rebalances >= 1 and res.num_rebalance_migrated >= 1
+    assert all(rep.used == 0 for rep in sim.replicas) and all(r.g == r.length for r in reqs)
