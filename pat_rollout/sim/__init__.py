@@ -6,10 +6,10 @@ Pure stdlib plus pat_rollout.planner, pat_rollout.kv.cost and pat_rollout.profil
 """
 
 from pat_rollout.sim.hardware import DriverModel, ReconfigModel, SchedulerModel, SimHardware, gpu_hardware
-from pat_rollout.sim.simulator import PollView, Reconfigure, Sim, SimResult
+from pat_rollout.sim.simulator import PollView, Rebalance, Reconfigure, Sim, SimResult
 from pat_rollout.sim.traces import Trace, TraceRecord, deepscaler_like, read_trace, uniform_trace, verl_like
 
 __all__ = [
-    "DriverModel", "PollView", "ReconfigModel", "Reconfigure", "SchedulerModel", "Sim", "SimHardware", "SimResult",
+    "DriverModel", "PollView", "ReconfigModel", "Rebalance", "Reconfigure", "SchedulerModel", "Sim", "SimHardware", "SimResult",
     "Trace", "TraceRecord", "deepscaler_like", "gpu_hardware", "read_trace", "uniform_trace", "verl_like",
 ]

@@ -11,7 +11,7 @@ from pat_rollout.planner.calibration import ReconfigSample
 from pat_rollout.planner.policy import Planner
 from pat_rollout.planner.state import ClusterState
 from pat_rollout.sim.hardware import SimHardware
-from pat_rollout.sim.simulator import PollView, Reconfigure, Sim, SimResult
+from pat_rollout.sim.simulator import PollView, Rebalance, Reconfigure, Sim, SimResult
 from pat_rollout.sim.traces import Trace
 
 
@@ -34,10 +34,17 @@ class PlannerPolicy:
     """The PAT planner as the driver runs it: it picks the stage's starting layout from where the pool is
     (`Planner.choose_start`; without `start_layout` the pool returns to `initial_tp` first), learns lengths only as
     requests finish (and from `history`, earlier iterations) and calibrates from what the simulated pool measured.
-    One planner may serve several stages (one PlannerPolicy each): its calibration carries over, as on a driver."""
+    One planner may serve several stages (one PlannerPolicy each): its calibration carries over, as on a driver.
 
-    def __init__(self, planner: Planner, initial_tp: int, history: Trace | None = None, name: str = "pat") -> None:
+    `can_rebalance` is the simulated pool's `supports_rebalance`, set on the planner as the driver sets it: False
+    models today's SglPool (the planner is never offered a rebalance), True the reference pool's ability (and a
+    future SGLang pool's); PlannerConfig.rebalance still decides whether the planner uses it. A rebalance Decision
+    becomes a `Rebalance` action with the planner's own moves."""
+
+    def __init__(self, planner: Planner, initial_tp: int, history: Trace | None = None, name: str = "pat", *,
+                 can_rebalance: bool = False) -> None:
         self.planner = planner
+        planner.can_rebalance = can_rebalance
         self.tp0 = initial_tp
         self.name = name
         planner.start_stage()
@@ -53,7 +60,7 @@ class PlannerPolicy:
         d = self.planner.choose_start(state)
         return None if d is None else Reconfigure(tp=d.target_tp, decision=d)
 
-    def on_poll(self, view: PollView) -> Reconfigure | None:
+    def on_poll(self, view: PollView) -> Reconfigure | Rebalance | None:
         for sample in view.samples:
             if isinstance(sample, ReconfigSample):
                 self.planner.observe_reconfig(sample)
@@ -62,6 +69,8 @@ class PlannerPolicy:
         for key, n in view.finished:
             self.planner.observe_finished(key, n)
         d = self.planner.decide(view.state)
+        if d is not None and d.is_rebalance:
+            return Rebalance(moves=d.moves, decision=d)
         if d is None or d.target_tp == view.state.tp:
             return None
         return Reconfigure(tp=d.target_tp, decision=d)
@@ -78,7 +87,7 @@ class ScheduledPolicy:
     def initial_tp(self) -> int:
         return self.tp0
 
-    def on_poll(self, view: PollView) -> Reconfigure | None:
+    def on_poll(self, view: PollView) -> Reconfigure | Rebalance | None:
         for count, tp in self.switches:
             if view.num_unfinished <= count and tp > view.state.tp:
                 return Reconfigure(tp=tp)

@@ -3,8 +3,8 @@
 The truth (`SimHardware`: step times, KV capacity, scheduler, driver loop, reconfiguration phases) is separate from
 what a policy sees. A policy is asked at every poll with a `PollView` (the planner's ClusterState: progress
 counts only, never true lengths, plus the requests that finished since the last poll) and answers an action or
-None. Actions are records dispatched by type through `Sim.ACTIONS` (`Reconfigure(tp)` today; another action is one
-record class plus one handler registered there). Before dispatch a policy with an `on_start(state)` hook picks the
+None. Actions are records dispatched by type through `Sim.ACTIONS` (`Reconfigure(tp)`, `Rebalance(moves)`; another
+action is one record class plus one handler registered there). Before dispatch a policy with an `on_start(state)` hook picks the
 stage's starting layout, as the driver's planner does; the view also carries what the pool "measured" since the
 previous poll (calibration.PollSample / ReconfigSample from the true times), as the driver feeds its planner.
 Dispatch at stage start calls the driver's own planner.balance.assign_new; a reconfiguration rebalances with
@@ -21,6 +21,7 @@ from typing import Any, Protocol
 from pat_rollout.kv.cost import HandoffCost
 from pat_rollout.planner.balance import assign_new, balance
 from pat_rollout.planner.calibration import PollSample, ReconfigSample
+from pat_rollout.planner.rebalance import Move
 from pat_rollout.planner.state import ClusterState, Decision, ReqProgress
 from pat_rollout.sim.hardware import SimHardware
 from pat_rollout.sim.replica import Replica, SimReq
@@ -33,6 +34,22 @@ class Reconfigure:
 
     tp: int
     decision: Decision | None = None
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Rebalance:
+    """Move unfinished requests between replicas of the current layout now (planner.rebalance.Move: request id,
+    source and destination replica index as in the view's ClusterState). `decision` is the planner's."""
+
+    moves: tuple[Move, ...]
+    decision: Decision | None = None
+
+    def __post_init__(self) -> None:
+        if not self.moves:
+            raise ValueError("Rebalance needs at least one move (moves=()): a rebalance that moves nothing is a stay")
+        ids = [m.request_id for m in self.moves]
+        if len(set(ids)) != len(ids):
+            raise ValueError(f"Rebalance moves request(s) {sorted({i for i in ids if ids.count(i) > 1})} twice")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -62,7 +79,8 @@ class Policy(Protocol):
 
 @dataclass(kw_only=True, slots=True)
 class SimResult:
-    """Outcome of one policy: stage latency, layouts as (time s, tp), reconfiguration time paid, and counts."""
+    """Outcome of one policy: stage latency, layouts as (time s, tp), time paid pausing for actions (switches and
+    rebalances; `rebalance_s` is the rebalances' part), and counts."""
 
     policy: str
     latency_s: float
@@ -73,6 +91,10 @@ class SimResult:
     prefill_tokens: int = 0
     tail_start_s: float = 0.0  # when 90% of the requests had finished
     finish_times: tuple[float, ...] = field(default=(), repr=False)
+    num_rebalances: int = 0
+    num_rebalanced: int = 0  # requests moved by rebalances
+    num_rebalance_migrated: int = 0  # of those, moved with their KV (the rest re-prefill on their destination)
+    rebalance_s: float = 0.0
 
     @property
     def num_reconfigs(self) -> int:
@@ -106,6 +128,8 @@ class Sim:
         self.num_total = len(trace.records)
         self.num_preempted = 0
         self.prefill_tokens = 0
+        self.num_rebalances = self.num_rebalanced = self.num_rebalance_migrated = 0
+        self.rebalance_s = 0.0
         self._pending: list[tuple[str, int]] = []
         self._samples: list[PollSample | ReconfigSample] = []
         reqs = [SimReq(rid=f"r{i}", prompt_key=rec.prompt_id, prompt_len=rec.prompt_len, length=rec.response_len,
@@ -258,6 +282,63 @@ class Sim:
         if action.decision is not None:
             self.decisions.append(action.decision)
 
+    def _rebalance(self, action: Rebalance) -> None:
+        """Each move's request leaves its source replica (`Replica.export`, KV freed there) and joins its
+        destination with its KV (`import_cached`) when the hand-off rule says migrate and it fits, else queued
+        there for re-prefill of prompt + generated tokens. Same TP, same replicas, no weights move; the pool
+        pauses for `_rebalance_s` as for a switch. The driver feeds its planner no measurement of a rebalance
+        (workers/driver.py `_apply_rebalance`), so neither does this."""
+        n = len(self.replicas)
+        for m in action.moves:
+            if not (m.src < n and m.dst < n):
+                raise ValueError(f"rebalance move {m}: replicas must lie in [0, {n}) at tp={self.tp}")
+            if self.where.get(m.request_id) != m.src:
+                raise ValueError(f"rebalance move {m}: request {m.request_id!r} is "
+                                 + ("not unfinished" if m.request_id not in self.where
+                                    else f"on replica {self.where[m.request_id]}, not {m.src}"))
+        t0 = max([self.t, *(rep.t for rep in self.replicas)])
+        by_src: dict[int, set[str]] = {}
+        for m in action.moves:
+            by_src.setdefault(m.src, set()).add(m.request_id)
+        out = {r.rid: r for src, rids in sorted(by_src.items()) for r in self.replicas[src].export(rids)}
+        migrate = {m.request_id for m in action.moves if out[m.request_id].cached
+                   and self._migrates(out[m.request_id], self.tp)}
+        to_dst: dict[int, float] = {}
+        for m in action.moves:
+            if m.request_id in migrate:
+                r = out[m.request_id]
+                to_dst[m.dst] = to_dst.get(m.dst, 0.0) + (r.prompt_len + r.g) * self.hw.kv_bytes_per_token
+        cost = self._rebalance_s(to_dst)
+        self.t = t0 + cost
+        for rep in self.replicas:  # generation paused on every replica, as the driver's loop is
+            rep.t = self.t
+        for m in sorted(action.moves, key=lambda m: m.request_id):
+            r, rep = out[m.request_id], self.replicas[m.dst]
+            self.where[r.rid] = m.dst
+            r.alloc = 0
+            if m.request_id in migrate and rep.import_cached(r):
+                self.num_rebalance_migrated += 1
+            else:
+                r.cached = False
+                rep.waiting.append(r)
+        self.overhead += cost
+        self.rebalance_s += cost
+        self.num_rebalances += 1
+        self.num_rebalanced += len(action.moves)
+        if action.decision is not None:
+            self.decisions.append(action.decision)
+
+    def _rebalance_s(self, migrate_bytes: dict[int, float]) -> float:
+        """True time of one rebalance: the phases of workers/rebalance.py without reshard or group switch. Plan,
+        export, release and import are RPCs (the reconfiguration's fixed_s); the KV hand-off moves each
+        destination replica's migrated bytes onto its tp devices, destinations in parallel (latency + the
+        largest share / bandwidth). Recomputed requests pay their prefill through admission afterwards."""
+        rc = self.hw.reconfig
+        cost = rc.fixed_s
+        if any(b > 0 for b in migrate_bytes.values()):
+            cost += rc.kv_latency_s + max(migrate_bytes.values()) / self.tp / rc.kv_bytes_per_s
+        return cost
+
     def _phase_s(self, src: int, dst: int, migrate_bytes: float) -> float:
         """True time of the phases of one reconfiguration src -> dst moving `migrate_bytes` of KV."""
         rc = self.hw.reconfig
@@ -273,7 +354,7 @@ class Sim:
             return False
         return self.handoff.choose_handoff(r.prompt_len + r.g, self.hw.kv_bytes_per_token, tp).method.is_migrate
 
-    ACTIONS: dict[type, Callable[[Sim, Any], None]] = {Reconfigure: _reconfigure}
+    ACTIONS: dict[type, Callable[[Sim, Any], None]] = {Reconfigure: _reconfigure, Rebalance: _rebalance}
 
     def result(self, name: str) -> SimResult:
         pre = self.num_preempted + sum(rep.num_preempted for rep in self.replicas)
@@ -283,7 +364,9 @@ class Sim:
         tail = fin[max(0, -(-9 * len(fin) // 10) - 1)] if fin else 0.0
         return SimResult(policy=name, latency_s=latency, schedule=tuple(self.schedule), overhead_s=self.overhead,
                          decisions=tuple(self.decisions), num_preempted=pre, prefill_tokens=pf, tail_start_s=tail,
-                         finish_times=tuple(fin))
+                         finish_times=tuple(fin), num_rebalances=self.num_rebalances,
+                         num_rebalanced=self.num_rebalanced, num_rebalance_migrated=self.num_rebalance_migrated,
+                         rebalance_s=self.rebalance_s)
 
     def clone(self) -> Sim:
         return copy.deepcopy(self, {id(self.hw): self.hw})  # the truth is shared, not copied
