@@ -270,17 +270,24 @@ class Sim:
         dest = balance([r.prompt_len + r.g for r in reqs], len(self.replicas))  # the Reconfigurer's rule
         mig = {id(r) for r in migrate}
         for r, i in zip(reqs, dest):
-            rep = self.replicas[i]
-            self.where[r.rid] = i
-            r.alloc = 0
-            if not (id(r) in mig and rep.import_cached(r)):
-                r.cached = False
-                rep.waiting.append(r)
+            self._place(r, i, id(r) in mig)
         self.schedule.append((t0, tp))
         self._samples.append(ReconfigSample(num_devices=self.num_devices, tp_src=src, tp_dst=tp,
                                             num_tokens=tuple(r.prompt_len + r.g for r in reqs), elapsed_s=cost))
         if action.decision is not None:
             self.decisions.append(action.decision)
+
+    def _place(self, r: SimReq, i: int, migrate: bool) -> bool:
+        """Put exported request `r` on replica `i`: with its KV when `migrate` and it fits (True), else queued there
+        for re-prefill of prompt + generated tokens."""
+        rep = self.replicas[i]
+        self.where[r.rid] = i
+        r.alloc = 0
+        if migrate and rep.import_cached(r):
+            return True
+        r.cached = False
+        rep.waiting.append(r)
+        return False
 
     def _rebalance(self, action: Rebalance) -> None:
         """Each move's request leaves its source replica (`Replica.export`, KV freed there) and joins its
@@ -313,14 +320,7 @@ class Sim:
         for rep in self.replicas:  # generation paused on every replica, as the driver's loop is
             rep.t = self.t
         for m in sorted(action.moves, key=lambda m: m.request_id):
-            r, rep = out[m.request_id], self.replicas[m.dst]
-            self.where[r.rid] = m.dst
-            r.alloc = 0
-            if m.request_id in migrate and rep.import_cached(r):
-                self.num_rebalance_migrated += 1
-            else:
-                r.cached = False
-                rep.waiting.append(r)
+            self.num_rebalance_migrated += self._place(out[m.request_id], m.dst, m.request_id in migrate)
         self.overhead += cost
         self.rebalance_s += cost
         self.num_rebalances += 1

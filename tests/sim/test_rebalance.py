@@ -5,7 +5,7 @@ become the action on a batch whose dispatch leaves every long request on one rep
 from __future__ import annotations
 
 import pytest
-from test_simulator import _linear_profile  # tests/sim is on the path (rootdir-relative modules)
+from profile_helpers import linear_profile
 
 from pat_rollout.kv.cost import HandoffCost
 from pat_rollout.planner import Planner, PlannerConfig
@@ -27,7 +27,7 @@ def _trace() -> Trace:
 
 
 def _hw():
-    return ref_cpu_hardware(_linear_profile(), tps=(1, 2), num_kv_blocks=64, block_size=16, steps_per_poll=4)
+    return ref_cpu_hardware(linear_profile(), tps=(1, 2), num_kv_blocks=64, block_size=16, steps_per_poll=4)
 
 
 class TruthRebalancer:
@@ -132,7 +132,7 @@ def test_planner_policy_turns_rebalance_decisions_into_the_action() -> None:
     cfg = PlannerConfig(candidate_tps=(1,), eval_every_steps=4, min_gain_s=0.0, min_steps_between_switches=8)
     out = {}
     for can in (False, True):
-        pol = PlannerPolicy(Planner(_linear_profile(), cfg), 1, can_rebalance=can)
+        pol = PlannerPolicy(Planner(linear_profile(), cfg), 1, can_rebalance=can)
         hw = _hw()
         out[can] = Sim(hw, _trace(), num_devices=2, policy=pol, handoff=MIXED).run().result("pat")
         assert pol.planner.can_rebalance is can

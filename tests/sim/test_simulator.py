@@ -4,6 +4,7 @@ planner's view (never the true lengths)."""
 from __future__ import annotations
 
 import pytest
+from profile_helpers import linear_profile
 
 from pat_rollout.planner import Planner, PlannerConfig
 from pat_rollout.profile.model import LatencyModel
@@ -174,28 +175,13 @@ def test_export_some_requests_frees_only_their_kv() -> None:
     assert rep.import_cached(out[0]) and rep.used == used
 
 
-def _linear_profile(tp2_scale: float = 1.0) -> LatencyModel:
-    """Decode steps linear in batch, independent of context (TP2's scaled by `tp2_scale`: 3 = a wrong profile)."""
-    decode = [{"tp": tp, "batch": b, "context": c,
-               "step_s": 0.010 + 0.004 * b if tp == 1 else (0.006 + 0.003 * b) * tp2_scale}
-              for tp in (1, 2) for b in (1, 2, 4, 8, 16) for c in (8, 2048)]
-    return LatencyModel.from_dict({
-        "schema_version": 1,
-        "meta": {"hardware": "test", "model": "tiny", "backend": "reference", "source": "measured", "notes": "x"},
-        "model": {"num_layers": 2, "hidden_size": 64, "num_heads": 4, "num_kv_heads": 2, "head_dim": 16,
-                  "param_bytes": 1000, "dtype_bytes": 8},
-        "decode": decode, "prefill": [{"tp": tp, "tokens_per_s": 1e6, "fixed_s": 0.0} for tp in (1, 2)],
-        "kv_transfer": {"bandwidth_bytes_per_s": 1e9, "latency_s": 1e-5},
-        "reshard": {"bandwidth_bytes_per_s": 1e9, "fixed_s": 1e-4}, "group_switch_s": 0.05})
-
-
 def test_planner_policy_picks_the_start_layout_and_calibrates_from_the_simulated_pool() -> None:
     from pat_rollout.sim.hardware import ref_cpu_hardware
 
-    hw = ref_cpu_hardware(_linear_profile(), tps=(1, 2), num_kv_blocks=1024, block_size=16, steps_per_poll=4)
+    hw = ref_cpu_hardware(linear_profile(), tps=(1, 2), num_kv_blocks=1024, block_size=16, steps_per_poll=4)
     trace = Trace(name="t", records=tuple(TraceRecord(prompt_id=f"p{i}", prompt_len=16, response_len=300 if i == 0
                                                       else 20) for i in range(16)), max_new_tokens=300)
-    planner = Planner(_linear_profile(tp2_scale=3.0), PlannerConfig(
+    planner = Planner(linear_profile(tp2_scale=3.0), PlannerConfig(
         candidate_tps=(1, 2), eval_every_steps=4, min_gain_s=0.0, min_steps_between_switches=8, explore_max_ratio=5.0))
     # stage 1, the pool in 1 x TP2: the (wrong) profile says 2 x TP1 for the whole stage; the start switch is timed
     first = run_policy(hw, trace, PlannerPolicy(planner, 1), num_devices=2, prev_tp=2)
