@@ -1,5 +1,8 @@
 """The README's first command, `make demo`, on a smaller batch: a fresh process with its own local Ray, four runs side
-by side, identical greedy tokens across them, and PAT (on the H100 profile) reconfiguring mid-decode."""
+by side, identical greedy tokens across them, and each PAT run's reconfiguration count matching the layouts it
+reports. Whether PAT switches on this small batch is the calibrated planner's call on measured CPU times (TP2 saves
+about as much as the margin here), so it is not asserted: deterministic switching is tests/workers/
+test_planner_driven.py's (calibration off)."""
 
 from __future__ import annotations
 
@@ -25,7 +28,11 @@ def test_demo_runs_static_and_pat_side_by_side_with_identical_tokens(tmp_path):
     assert set(rows) == {"static 2xTP1", "static 1xTP2", "PAT, CPU profile", "PAT, H100 profile"}, proc.stdout
     assert all(same == "True" for _, _, same in rows.values()), proc.stdout
     assert rows["static 2xTP1"][1] == rows["static 1xTP2"][1] == 0
-    assert rows["PAT, H100 profile"][1] >= 1, proc.stdout  # that profile makes the planner switch on this batch
+    for name in ("PAT, CPU profile", "PAT, H100 profile"):
+        layouts = re.search(rf"^{re.escape(name)}: layouts (.*)$", proc.stdout, re.M)
+        assert layouts, proc.stdout
+        assert layouts[1].count(" -> ") == rows[name][1], (name, layouts[1], rows[name])
+        assert layouts[1].startswith("2xTP1[[0],[1]]@0.00s"), layouts[1]  # every stage starts in the base layout
 
 
 def _result(times, tokens):

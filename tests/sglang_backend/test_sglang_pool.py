@@ -158,8 +158,9 @@ def test_planner_switches_sglang_pool_when_batch_drains(tiny_models, hf_referenc
     cfg = PatRolloutConfig(model_path=path, num_devices=2, backend="sglang", initial_tp=1, candidate_tps=(1, 2),
                            policy="pat", kv_handoff="auto", dtype="float32", steps_per_poll=2,
                            profile_path=write_profile(tmp_path / "tp2_wins_small.json"),
+                           # the hand-made profile alone decides: measured CPU times must not overrule it
                            planner={"eval_every_steps": 2, "min_steps_between_switches": 2, "min_gain_s": 0.0,
-                                    "min_gain_ratio": 0.0})
+                                    "min_gain_ratio": 0.0, "start_layout": False, "calibrate": False})
     sp_long, sp_short = (SamplingParams(max_new_tokens=n, ignore_eos=True) for n in (MAX_NEW, 6))
     reqs = [Request(request_id=f"p{i}", prompt_token_ids=tuple(range(3 + 5 * i, 12 + 7 * i)),
                     sampling=sp_long if i < 2 else sp_short) for i in range(6)]
