@@ -58,11 +58,12 @@ def test_rebalance_2_actors_matches_static(ray_cluster, tiny_models, handoff):
     assert metrics["pat/replica_finish_spread_s"] >= 0
 
 
-def test_rebalance_4_actors_tp1_and_tp2_sampled(ray_cluster, tiny_models):
+@pytest.mark.parametrize("handoff", ["migrate", "recompute"])
+def test_rebalance_4_actors_tp1_and_tp2_sampled(ray_cluster, tiny_models, handoff):
     requests = one_replica_long(skewed_requests(n=8, long_len=56, temperature=0.8), 4)
     cfg = dict(num_devices=4, steps_per_poll=4)
     reference = _reference(tiny_models["qwen3"], requests, **cfg)
-    driver = RolloutDriver(pool_config(tiny_models["qwen3"], kv_handoff="migrate", **cfg))
+    driver = RolloutDriver(pool_config(tiny_models["qwen3"], kv_handoff=handoff, **cfg))
     try:
         futures = [driver.submit(r) for r in requests]
         wait_first_done(futures)
@@ -79,6 +80,9 @@ def test_rebalance_4_actors_tp1_and_tp2_sampled(ray_cluster, tiny_models):
     _assert_same(outputs, reference)
     assert metrics["pat/num_rebalances"] == 2 and metrics["pat/num_rebalanced"] == 2, metrics
     assert metrics["pat/num_reconfigs"] == 1
+    # every hand-off (two rebalanced requests, the regroup's unfinished ones) went the forced way
+    done, other = ("migrated", "recomputed") if handoff == "migrate" else ("recomputed", "migrated")
+    assert metrics[f"pat/num_{done}"] >= 2 and metrics[f"pat/num_{other}"] == 0, metrics
 
 
 def test_failed_rebalance_loses_nothing(ray_cluster, tiny_models):
@@ -111,7 +115,9 @@ def test_planner_rebalances_a_skewed_dispatch(ray_cluster, tiny_models, tmp_path
     profile = write_profile(tmp_path / "tp1_fast.json", fast_tp=1)
     requests = one_replica_long(skewed_requests(), 2)
     reference = _reference(tiny_models["llama"], requests)
-    planner = {"eval_every_steps": 2, "min_steps_between_switches": 2, "min_gain_s": 0.0, "min_gain_ratio": 0.0}
+    # the hand-made profile alone decides: measured CPU times must not overrule it
+    planner = {"eval_every_steps": 2, "min_steps_between_switches": 2, "min_gain_s": 0.0, "min_gain_ratio": 0.0,
+               "start_layout": False, "calibrate": False}
     driver = RolloutDriver(pool_config(tiny_models["llama"], policy="pat", profile_path=profile, planner=planner))
     try:
         outputs = driver.generate(requests, timeout=300)
