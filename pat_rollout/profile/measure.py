@@ -101,9 +101,12 @@ def measure_profile(model_path: str, grid: ProfileGrid, *, num_devices: int, dty
                                 max(steps_s) * 1e3, grid.repeats, prefill_s * 1e3)
             prefill.append(_fit_prefill(tp, prefill_points))
         bandwidth, latency = _measure_p2p(group, num_devices, grid.p2p_bytes)
-        while pool.layout.tp_size != base.tp_size:  # measure the shrink path too, back to the base layout
-            src = pool.layout.tp_size
-            phases.append((src, base.tp_size, pool.reconfigure(base.tp_size, {}).phase_s))
+        # Back to the base layout and up again `repeats` times: one reshard varies 2-3x run to run on a loaded
+        # CPU, and a shrink (every device receives the weights it lacks) is what the planner weighs most.
+        for n in range(grid.repeats):
+            phases.append((pool.layout.tp_size, base.tp_size, pool.reconfigure(base.tp_size, {}).phase_s))
+            if n + 1 < grid.repeats:
+                phases.append((base.tp_size, max_tp, pool.reconfigure(max_tp, {}).phase_s))
     finally:
         group.shutdown()
     hardware = hardware or f"{platform.processor() or platform.machine()} CPU"
@@ -125,7 +128,7 @@ def measure_profile(model_path: str, grid: ProfileGrid, *, num_devices: int, dty
         "prefill": prefill,
         "kv_transfer": {"bandwidth_bytes_per_s": bandwidth, "latency_s": latency},
         "reshard": _fit_reshard(phases, spec, dtype),
-        "group_switch_s": max([p.get("switch", 0.0) for _, _, p in phases] or [0.0]),
+        "group_switch_s": statistics.median([p.get("switch", 0.0) for _, _, p in phases] or [0.0]),
     }
 
 
@@ -158,12 +161,15 @@ def _fit_prefill(tp: int, points: list[tuple[int, float]]) -> dict:
 
 
 def _fit_reshard(phases: list[tuple[int, int, dict]], spec: ModelSpec, dtype: str) -> dict:
+    """A grow only slices what each device holds: its time is the fixed cost. The median shrink of the first
+    shrinking pair, less that, moves the bytes each device lacks: the bandwidth."""
     grow = [p.get("reshard", 0.0) + p.get("kv_handoff", 0.0) for a, b, p in phases if b > a]
-    shrink = [(a, b, p.get("reshard", 0.0)) for a, b, p in phases if b < a]
-    fixed = min(grow) if grow else 0.0
+    fixed = statistics.median(grow) if grow else 0.0
     bandwidth = 1e9
-    if shrink:
-        a, b, t = shrink[0]
+    shrinks = [(a, b) for a, b, _ in phases if b < a]
+    if shrinks:
+        a, b = shrinks[0]
+        t = statistics.median(p.get("reshard", 0.0) for x, y, p in phases if (x, y) == (a, b))
         moved = spec.num_params() * DTYPE_BYTES[dtype] * (1 / b - 1 / a)
         bandwidth = moved / max(t - fixed, 1e-6)
     return {"bandwidth_bytes_per_s": bandwidth, "fixed_s": fixed}
