@@ -93,8 +93,9 @@ def measure(rounds: int, out: Path, append: bool = False) -> dict:
                         driver.generate(reqs)
                         dt = time.perf_counter() - t0
                         m = driver.stage_metrics()
-                        run = {"seconds": dt, "layouts": m.get("pat/layouts"), "num_reconfigs": m.get(
-                            "pat/num_reconfigs"), "phases": {k: v for k, v in m.items() if "/reconfig_" in k}}
+                        run = {"seconds": dt, "layouts": m.get("pat/layouts"), "layout_polls": m.get("pat/layout_polls"),
+                               "num_reconfigs": m.get("pat/num_reconfigs"),
+                               "phases": {k: v for k, v in m.items() if "/reconfig_" in k}}
                         res["runs"].setdefault(name, {}).setdefault(bname, []).append(run)
                         print(f"round {rnd} {name:<18} {bname:<30} {dt:7.2f}s  {run['layouts']}", flush=True)
                 finally:

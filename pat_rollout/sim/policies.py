@@ -1,8 +1,10 @@
 """Policies the simulator runs: static TP, the PAT planner (through the same ClusterState/Decision interface the
-driver uses), a fixed schedule, and the oracle (best schedule in hindsight). Pure stdlib."""
+driver uses), a fixed schedule, a replay of a real stage's decisions, and the oracle (best schedule in hindsight).
+Pure stdlib."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -92,6 +94,55 @@ class ScheduledPolicy:
             if view.num_unfinished <= count and tp > view.state.tp:
                 return Reconfigure(tp=tp)
         return None
+
+
+@dataclass(slots=True)
+class ReplayPolicy:
+    """The layout decisions a real stage made, by poll: `layouts` is ((polls, tp), ...) as the driver's
+    `pat/layout_polls` records them (the layout each began in after that many polls of the stage). Entries at poll
+    0 are the stage-start switch; the first is where the pool was. Replaying them separates the performance model
+    (what each decision costs and gains) from the planner's choices (which a threshold can flip either way)."""
+
+    layouts: tuple[tuple[int, int], ...]
+    name: str = "replay"
+    _polls: int = 0
+    _next: int = 1
+
+    def __post_init__(self) -> None:
+        if not self.layouts or self.layouts[0][0] != 0:
+            raise ValueError(f"replayed layouts {self.layouts} must start at poll 0")
+        if any(b[0] < a[0] for a, b in zip(self.layouts, self.layouts[1:])):
+            raise ValueError(f"replayed layouts {self.layouts} are not in poll order")
+
+    @classmethod
+    def from_layout_polls(cls, text: str, name: str = "replay") -> ReplayPolicy:
+        """Parse the driver's `pat/layout_polls`, e.g. "2xTP1[[0],[1]]@0 -> 1xTP2[[0,1]]@12"."""
+        layouts = []
+        for part in text.split(" -> "):
+            m = re.fullmatch(r"\d+xTP(\d+)(?:\[[\[\],\d]*\])?@(\d+)", part.strip())
+            if m is None:
+                raise ValueError(f"{part!r} of {text!r} is not a layout by poll (expected e.g. "
+                                 f"'2xTP1[[0],[1]]@0 -> 1xTP2[[0,1]]@12', the driver's pat/layout_polls)")
+            layouts.append((int(m[2]), int(m[1])))
+        return cls(layouts=tuple(layouts), name=name)
+
+    def initial_tp(self) -> int:
+        return self.layouts[0][1]
+
+    def on_start(self, state: ClusterState) -> Reconfigure | None:
+        self._polls, self._next = 0, 1
+        while self._next < len(self.layouts) and self.layouts[self._next][0] == 0:
+            self._next += 1
+        tp = self.layouts[self._next - 1][1]
+        return None if tp == state.tp else Reconfigure(tp=tp)
+
+    def on_poll(self, view: PollView) -> Reconfigure | None:
+        self._polls += 1
+        tp = None
+        while self._next < len(self.layouts) and self.layouts[self._next][0] <= self._polls:
+            tp = self.layouts[self._next][1]
+            self._next += 1
+        return None if tp is None or tp == view.state.tp else Reconfigure(tp=tp)
 
 
 def thresholds(n: int) -> list[int]:

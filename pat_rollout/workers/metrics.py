@@ -20,7 +20,7 @@ class StageMetrics:
     kv_bytes_received: int = 0
     num_polls: int = 0
     phase_s: dict[str, float] = field(default_factory=dict)
-    layouts: list[tuple[float, str]] = field(default_factory=list)
+    layouts: list[tuple[float, str, int]] = field(default_factory=list)  # (seconds, layout, polls) when it began
     response_lengths: list[int] = field(default_factory=list)
     last_switch_s: float | None = None
     planner: dict[str, float] = field(default_factory=dict)  # the planner's own stage metrics (calibration, start)
@@ -50,7 +50,7 @@ class StageMetrics:
     def record_layout(self, layout: str) -> None:
         if self.layouts and self.layouts[-1][1] != layout:
             self.replica_finish_s.clear()  # the finish spread is over the replicas of the last layout
-        self.layouts.append((time.perf_counter() - self.start_s, layout))
+        self.layouts.append((time.perf_counter() - self.start_s, layout, self.num_polls))
 
     def finish(self) -> None:
         self.end_s = time.perf_counter()
@@ -77,7 +77,9 @@ class StageMetrics:
             f"{prefix}/num_rebalanced": self.num_rebalanced,
             f"{prefix}/replica_finish_spread_s": (max(self.replica_finish_s.values()) - min(self.replica_finish_s.values())
                                                   if self.replica_finish_s else 0.0),
-            f"{prefix}/layouts": " -> ".join(f"{layout}@{t:.2f}s" for t, layout in self.layouts),
+            f"{prefix}/layouts": " -> ".join(f"{layout}@{t:.2f}s" for t, layout, _ in self.layouts),
+            # the same by the stage's poll count: the decisions a simulator replays (sim.policies.ReplayPolicy)
+            f"{prefix}/layout_polls": " -> ".join(f"{layout}@{polls}" for _, layout, polls in self.layouts),
         }
         for phase, s in sorted(self.phase_s.items()):
             out[f"{prefix}/reconfig_{phase}_s"] = s

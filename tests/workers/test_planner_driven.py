@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 from pool_helpers import pool_config, skewed_requests
 
+from pat_rollout.sim.policies import ReplayPolicy
 from pat_rollout.workers.driver import RolloutDriver
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
@@ -35,6 +36,12 @@ def test_planner_reconfigures_when_batch_drains(ray_cluster, tiny_models, tiny_p
     assert metrics["pat/num_reconfigs"] >= 1, metrics
     layouts = metrics["pat/layouts"]
     assert layouts.startswith("2xTP1") and "1xTP2" in layouts, layouts
+    # the same decisions by poll, in the form the simulator replays (sim.policies.ReplayPolicy)
+    by_poll = metrics["pat/layout_polls"]
+    assert [p.split("@")[0] for p in by_poll.split(" -> ")] == [p.split("@")[0] for p in layouts.split(" -> ")]
+    replay = ReplayPolicy.from_layout_polls(by_poll)
+    assert replay.layouts[0] == (0, 1) and replay.layouts[1][1] == 2
+    assert replay.layouts[1][0] >= 1  # mid-stage (no start-layout choice here): after at least one poll
     assert metrics["pat/tail_time_after_switch_s"] > 0
     assert metrics2["pat/layouts"].startswith("2xTP1"), metrics2
     assert [o.token_ids for o in second] == [o.token_ids for o in reference[:3]]
