@@ -27,7 +27,8 @@ def main(argv: list[str] | None = None) -> None:
     src.add_argument("--tiny", help="create this tiny preset locally (e.g. llama-demo) and profile it")
     ap.add_argument("--devices", type=int, default=2)
     ap.add_argument("--tps", type=_ints, default=(1, 2))
-    ap.add_argument("--batches", type=_ints, default=(1, 4, 16, 32))
+    ap.add_argument("--batches", type=_ints, default=(1, 2, 4, 8, 16, 32),
+                    help="requests per replica; the small ones are where a drained tail decodes")
     ap.add_argument("--contexts", type=_ints, default=(32, 128, 512))
     ap.add_argument("--steps", type=int, default=8, help="decode steps per timed repeat")
     ap.add_argument("--steps-per-call", type=int, default=4, help="decode steps per pool RPC (the driver's poll)")
