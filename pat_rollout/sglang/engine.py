@@ -65,7 +65,8 @@ def sglang_sampling_params(sp: SamplingParams, max_new_tokens: int) -> dict[str,
                                top_k=sp.top_k, ignore_eos=sp.ignore_eos)
     if sp.stop_token_ids:
         out["stop_token_ids"] = list(sp.stop_token_ids)
-    if not sp.is_greedy:  # position-keyed noise (sampler.multinomial_with_seed): same stream on any engine
+    # SGLang uses it only under enable_deterministic_inference (not on the CPU backend): see README.md, "Sampling"
+    if not sp.is_greedy:
         out["sampling_seed"] = sp.seed
     return out
 

@@ -139,6 +139,7 @@ ENGINE: tuple[Need, ...] = (
 )
 
 _RUNNER = "scheduler:tp_worker.model_runner"
+# Not listed: `cur_batch_for_debug`, which pool_switch._flush only clears (0.5.12 sets it on the first batch).
 SCHEDULER: tuple[Need, ...] = (
     _n("pool_switch, scheduler_hooks: the live model", f"{_RUNNER}.model.model.embed_tokens.num_embeddings_padded"
        f" + {_RUNNER}.model.config"),
@@ -146,7 +147,7 @@ SCHEDULER: tuple[Need, ...] = (
     _n("pool_switch: KV pool", *(" + ".join(f"{_RUNNER}.token_to_kv_pool.{a}" for a in (
         "k_buffer", "v_buffer", "head_num", "head_dim", "row_dim", "v_head_dim")),)),
     _n("pool_switch._check_idle, _flush, pat_switch", " + ".join(f"scheduler:{a}" for a in (
-        "running_batch", "waiting_queue", "chunked_req", "last_batch", "cur_batch_for_debug", "tree_cache",
+        "running_batch", "waiting_queue", "chunked_req", "last_batch", "tree_cache",
         "req_to_token_pool", "token_to_kv_pool_allocator", "skip_tokenizer_init"))),
     _n("compat.install_output_sockets", "scheduler:ipc_channels.send_to_detokenizer",
        "scheduler:send_to_detokenizer + scheduler:send_to_tokenizer"),
