@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from pat_rollout.engine.base import Engine, EngineSnapshot, RunningInfo, StepResult
-from pat_rollout.sglang import compat
+from pat_rollout.sglang import compat, inventory
 from pat_rollout.sglang.launch import launch_engine
 from pat_rollout.sglang.pool_hooks import make_rid
 from pat_rollout.types import Request, RequestOutput, RequestState, SamplingParams
@@ -65,7 +65,8 @@ def sglang_sampling_params(sp: SamplingParams, max_new_tokens: int) -> dict[str,
                                top_k=sp.top_k, ignore_eos=sp.ignore_eos)
     if sp.stop_token_ids:
         out["stop_token_ids"] = list(sp.stop_token_ids)
-    if not sp.is_greedy:  # position-keyed noise (sampler.multinomial_with_seed): same stream on any engine
+    # SGLang uses it only under enable_deterministic_inference (not on the CPU backend): see README.md, "Sampling"
+    if not sp.is_greedy:
         out["sampling_seed"] = sp.seed
     return out
 
@@ -86,6 +87,9 @@ class SGLangEngine(Engine):
         self.sgl = sgl if sgl is not None else launch_engine(model_path, tp_size=tp_size, device=device,
                                                              **server_overrides)
         self.startup_s = time.perf_counter() - t0
+        if moved := inventory.check_live(inventory.ENGINE, engine=self.sgl):
+            self.sgl.shutdown()
+            raise RuntimeError(inventory.error_message(moved, "checked on the started sglang.Engine"))
         self.loop: asyncio.AbstractEventLoop = self.sgl.loop
         self._tracked: dict[str, _Tracked] = {}
         self._finished: list[RequestOutput] = []

@@ -77,6 +77,9 @@ def pat_engine_class() -> type:
     """`sglang.Engine` whose scheduler processes carry pat_rollout's hooks and RPC methods (scheduler_hooks)."""
     global _ENGINE_CLS
     if _ENGINE_CLS is None:
+        from pat_rollout.sglang import inventory
+
+        inventory.check_static()  # every SGLang name the backend uses, one error listing what moved
         from sglang.srt.entrypoints.engine import Engine as SglEngine
 
         from pat_rollout.sglang import scheduler_hooks

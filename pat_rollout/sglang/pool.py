@@ -100,11 +100,21 @@ class SglPool(Pool):
         self.startup_s = time.perf_counter() - t0
         self.workdir = tempfile.mkdtemp(prefix="pat-sglpool-")
         self._replica: dict[str, int] = {}  # request id -> replica in the current layout
+        self._check_inventory()
         self._rpc("pat_backup_base")
         logger.info("SglPool up in %.1f s: %d SGLang ranks on %s, layout %s", self.startup_s, self.num_devices,
                     self.device, base)
 
     # ---- helpers ---------------------------------------------------------------------------------
+    def _check_inventory(self) -> None:
+        """The SGLang attributes the pool reads on live schedulers (inventory.SCHEDULER), on every rank."""
+        from pat_rollout.sglang import inventory
+
+        moved = sorted({line for r in self._rpc("pat_check_inventory", path="") for line in r["missing"]})
+        if moved:
+            self.shutdown()
+            raise RuntimeError(inventory.error_message(moved, "checked on the live scheduler processes"))
+
     def _rpc(self, method: str, **kw: Any) -> list[dict] | None:
         """`collective_rpc` on every rank; methods taking `path` write one JSON per rank, returned in rank order."""
         asyncio.set_event_loop(self.client.loop)

@@ -98,7 +98,20 @@ def rebuild_model_for_current_tp(old: torch.nn.Module, params: dict[str, torch.T
     return new
 
 
-RPC_METHODS = {f.__name__: f for f in (pat_save_params,)}
+def pat_check_inventory(self, path: str) -> None:
+    """Which attributes of this live scheduler the backend reads are missing (`inventory.SCHEDULER`)."""
+    import json
+
+    from sglang.srt.distributed.parallel_state import get_world_group
+
+    from pat_rollout.sglang import inventory
+
+    world = get_world_group()
+    with open(f"{path}.rank{world.rank_in_group}.json", "w") as f:
+        json.dump(dict(missing=inventory.check_live(inventory.SCHEDULER, scheduler=self, world=world)), f)
+
+
+RPC_METHODS = {f.__name__: f for f in (pat_save_params, pat_check_inventory)}
 
 
 def install() -> None:

@@ -12,6 +12,7 @@ PAT_SGLANG_GPU_EXACT_TOKENS tokens, default all). The TP=2 switch needs 2 GPUs.
 from __future__ import annotations
 
 import os
+import sys
 
 import pytest
 
@@ -27,9 +28,9 @@ MAX_NEW = 32
 EXACT = int(os.environ.get("PAT_SGLANG_GPU_EXACT_TOKENS", MAX_NEW))
 
 if not torch.cuda.is_available():
-    pytest.skip("needs CUDA", allow_module_level=True)
+    pytest.skip(f"needs CUDA: torch {torch.__version__} in {sys.prefix} sees no CUDA device", allow_module_level=True)
 if not MODEL:
-    pytest.skip("set PAT_SGLANG_GPU_MODEL to a local HF checkpoint", allow_module_level=True)
+    pytest.skip("set PAT_SGLANG_GPU_MODEL to a local HF checkpoint (Llama or Qwen3)", allow_module_level=True)
 
 from pat_rollout.types import Request, SamplingParams  # noqa: E402
 
