@@ -97,15 +97,10 @@ STATIC: tuple[Need, ...] = (
     _n("pool_hooks._install_routing", "sglang.srt.managers.io_struct:TokenizedGenerateReqInput.rid"),
     _n("pool_hooks._install_output_path", "sglang.srt.utils.network:get_zmq_socket",),
     _n("pool_hooks._install_output_path", "sglang.srt.server_args:PortArgs.tokenizer_ipc_name"),
-    # sampling (compat.keep_sampling_seeds)
-    _n("compat.keep_sampling_seeds (patched)",
-       "sglang.srt.sampling.sampling_batch_info:SamplingBatchInfo.from_schedule_batch + "
-       "sglang.srt.sampling.sampling_batch_info:SamplingBatchInfo.sampling_seed"),
-    _n("compat.keep_sampling_seeds (0.5.23: a msgspec field; 0.5.12: set in __init__)",
+    # sampling: the `sampling_seed` key of every sampled request
+    _n("engine.sglang_sampling_params (0.5.23: a msgspec field; 0.5.12: set in __init__)",
        "sglang.srt.sampling.sampling_params:SamplingParams.sampling_seed",
        "sglang.srt.sampling.sampling_params:SamplingParams.__init__(sampling_seed)"),
-    _n("compat.keep_sampling_seeds", "sglang.srt.managers.schedule_batch:ScheduleBatch.reqs + "
-       "sglang.srt.managers.schedule_batch:ScheduleBatch.device"),
     # radix cache, KV pool, batches
     _n("compat._new_radix_api, prefix_indices",
        f"{MC}.base_prefix_cache:MatchResult.device_prefix_len + {MC}.base_prefix_cache:MatchResult.last_device_node"
@@ -121,8 +116,8 @@ STATIC: tuple[Need, ...] = (
     _n("pool_switch._flush", f"{MC}.memory_pool:ReqToTokenPool.clear"),
     _n("pool_switch._flush, _insert_prefix", f"{MC}.allocator:TokenToKVPoolAllocator.clear + "
        f"{MC}.allocator:TokenToKVPoolAllocator.alloc + {MC}.allocator:TokenToKVPoolAllocator.free"),
-    _n("pool_switch._check_idle", "sglang.srt.managers.schedule_batch:ScheduleBatch.filter_batch + "
-       "sglang.srt.managers.schedule_batch:Req.finished"),
+    _n("pool_switch._check_idle, pat_switch", "sglang.srt.managers.schedule_batch:ScheduleBatch.filter_batch + "
+       "sglang.srt.managers.schedule_batch:ScheduleBatch.reqs + sglang.srt.managers.schedule_batch:Req.finished"),
     # models (scheduler_hooks.rebuild_model_for_current_tp rebuilds them with their own constructor)
     *(_n(f"models/{m}.py, scheduler_hooks.rebuild_model_for_current_tp",
          f"sglang.srt.models.{m}:{c}.__init__(config) + sglang.srt.models.{m}:{c}.__init__(quant_config)")

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from pat_rollout.kv.cost import HandoffCost
 from pat_rollout.planner.calibration import ReconfigSample
@@ -105,8 +105,8 @@ class ReplayPolicy:
 
     layouts: tuple[tuple[int, int], ...]
     name: str = "replay"
-    _polls: int = 0
-    _next: int = 1
+    _polls: int = field(default=0, init=False)  # polls of the stage so far
+    _next: int = field(default=1, init=False)  # the next entry of `layouts` to apply
 
     def __post_init__(self) -> None:
         if not self.layouts or self.layouts[0][0] != 0:
