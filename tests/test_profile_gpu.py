@@ -223,6 +223,25 @@ def test_budget_stop_keeps_whole_columns_and_writes_what_it_measured(tmp_path: P
     assert set(meta["omitted_tps"]) | {str(t) for t in m.tps} == {"1", "2"}
 
 
+def test_out_of_memory_point_is_skipped_and_filled(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import pat_rollout.profile.gpu as gpu
+
+    real = gpu._measure_point
+
+    def measure(step, buffer, batch, context, grid, **kw):
+        if (step.shape.tp_size, batch, context) == (2, 2, 32):
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return real(step, buffer, batch, context, grid, **kw)
+
+    monkeypatch.setattr(gpu, "_measure_point", measure)
+    grid = GpuGrid(tps=(1, 2), batches=(1, 2), contexts=(8, 16, 32), warmup=1, repeats=1, steps_per_repeat=1)
+    (path,) = run(["tiny_llama"], grid, device_name="cpu", dtype_name="float32", graph=False, max_seconds=600.0,
+                  out_dir=tmp_path, tag="t", reserve_bytes=0.0, kv_limit_bytes=None, ar_variant="central")
+    data, m = _load(path)
+    assert data["meta"]["out_of_memory"] == {"2": [[2, 32]]} and data["meta"]["filled"] == [[2, 2, 32]]
+    assert m.tps == (1, 2) and len(data["decode"]) == 12
+
+
 def test_nothing_measured_writes_nothing(tmp_path: Path) -> None:
     grid = GpuGrid(tps=(1,), batches=(1,), contexts=(8,), warmup=1, repeats=1, steps_per_repeat=1)
     paths = run(["tiny_llama"], grid, device_name="cpu", dtype_name="float32", graph=False, max_seconds=0.0,

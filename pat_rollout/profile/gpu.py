@@ -71,7 +71,7 @@ def measure_tp(model: str, tp: int, grid: GpuGrid, *, device, dtype, graph: bool
     estimated wall] so far, shared across TP sizes of a model) turns estimates into predictions."""
     import torch
 
-    from pat_rollout.profile.gpu_step import ShardStep, capture_graph, time_steps
+    from pat_rollout.profile.gpu_step import ShardStep
 
     spec = MODELS[model][1]
     shape = rank_shape(spec, tp, max_tp=max(grid.tps))
@@ -104,21 +104,14 @@ def measure_tp(model: str, tp: int, grid: GpuGrid, *, device, dtype, graph: bool
                                "left of this TP's share)", model, tp, b, c, predicted, budget.left())
                 break
             t0 = time.perf_counter()
-            ids = torch.randint(0, shape.vocab_rows, (b,), device=device)
-            pos = torch.full((b,), c - 1, device=device, dtype=torch.long)
-            kv = step.kv_view(buffer, b, c)
-
-            def one_step(ids=ids, pos=pos, kv=kv, forward=step.forward):
-                return forward(ids, pos, kv)
-
-            kw = {"device": device, "warmup": grid.warmup, "repeats": grid.repeats,
-                  "steps_per_repeat": grid.steps_per_repeat}
-            eager = time_steps(one_step, **kw)
-            timed_graph = None
-            if graph:
-                g = capture_graph(one_step)
-                timed_graph = time_steps(g.replay, **kw)
-                del g
+            try:
+                eager, timed_graph = _measure_point(step, buffer, b, c, grid, device=device, graph=graph)
+            except torch.cuda.OutOfMemoryError as e:  # activations or graph pool beyond the reserve: not a point
+                res.out_of_memory.append((b, c))
+                logger.warning("%s tp=%d batch=%d context=%d: out of memory, skipped (%s)", model, tp, b, c,
+                               str(e).splitlines()[0])
+                torch.cuda.empty_cache()
+                continue
             wall = time.perf_counter() - t0
             calib[0] += wall
             calib[1] += est.point_s(grid, tp, b, c, graph)
@@ -131,6 +124,39 @@ def measure_tp(model: str, tp: int, grid: GpuGrid, *, device, dtype, graph: bool
                         wall)
     res.wall_s = time.perf_counter() - t_start
     return res
+
+
+def _measure_point(step, buffer, batch: int, context: int, grid: GpuGrid, *, device, graph: bool):
+    """(eager Timing, CUDA-graph Timing or None) of `batch` requests whose new token is at position context - 1."""
+    import torch
+
+    from pat_rollout.profile.gpu_step import capture_graph, time_steps
+
+    ids = torch.randint(0, step.shape.vocab_rows, (batch,), device=device)
+    pos = torch.full((batch,), context - 1, device=device, dtype=torch.long)
+    kv = step.kv_view(buffer, batch, context)
+
+    def one_step():
+        return step.forward(ids, pos, kv)
+
+    kw = {"device": device, "warmup": grid.warmup, "repeats": grid.repeats, "steps_per_repeat": grid.steps_per_repeat}
+    eager = time_steps(one_step, **kw)
+    if not graph:
+        return eager, None
+    g = capture_graph(one_step)  # its memory pool goes with it when this returns
+    return eager, time_steps(g.replay, **kw)
+
+
+def _spin_up(device, seconds: float = 1.0) -> None:
+    """GEMMs for a second before the first point: an idle GPU sits at low clocks (345 MHz seen on an idle H200
+    here), and the first points would time the ramp."""
+    import torch
+
+    a = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
+    t = time.perf_counter()
+    while time.perf_counter() - t < seconds:
+        a @ a
+        torch.cuda.synchronize(device)
 
 
 def _release(device) -> None:
@@ -167,6 +193,8 @@ def run(models: list[str], grid: GpuGrid, *, device_name: str, dtype_name: str, 
     if graph and device.type != "cuda":
         raise ValueError(f"graph=True needs a CUDA device, got device={device_name!r}")
     env = _env(device, dtype)
+    if device.type == "cuda":
+        _spin_up(device)
     tag = tag or ("cpu" if device.type == "cpu" else device_tag(env["device"]))
     budget = Budget.start(max_seconds, clock)
     t_run = clock()

@@ -22,7 +22,8 @@ from pat_rollout.profile.gpu_plan import (
 from pat_rollout.profile.model import SCHEMA_VERSION
 from pat_rollout.profile.published import AR_LATENCY_S, ASSUMED, FIG, MEM_FRACTION, SRC
 
-FILLED = "extrapolated linearly in context from this batch's measured points: its KV did not fit on the device"
+FILLED = ("extrapolated linearly in context from this batch's measured points: its KV (or the step) did not fit on "
+          "the device")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -45,6 +46,7 @@ class TpResult:
     kv_budget_bytes: float
     points: list[PointResult] = field(default_factory=list)
     skipped: list[tuple[int, int]] = field(default_factory=list)  # KV did not fit
+    out_of_memory: list[tuple[int, int]] = field(default_factory=list)  # KV fitted, the step's activations did not
     stopped_at: tuple[int, int] | None = None
     wall_s: float = 0.0
 
@@ -145,6 +147,7 @@ def build_profile(model: str, grid: GpuGrid, results: list[TpResult], *, env: di
                  "warmup": grid.warmup, "repeats": grid.repeats, "steps_per_repeat": grid.steps_per_repeat},
         "kv_budget_bytes": {str(r.tp): r.kv_budget_bytes for r in results},
         "skipped": {str(r.tp): [list(x) for x in r.skipped] for r in results},
+        "out_of_memory": {str(r.tp): [list(x) for x in r.out_of_memory] for r in results if r.out_of_memory},
         "filled": filled, "dropped_batches": dropped, "omitted_tps": omitted,
         "stopped": {str(r.tp): list(r.stopped_at) for r in results if r.stopped_at},
         "wall_s": {"total": round(wall_s, 2), "max_seconds": max_seconds,
