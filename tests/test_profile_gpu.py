@@ -108,13 +108,13 @@ def _reference_logits(spec, step, ids, pos, kv, block_size=4):
     return ref(ids, md, pool)
 
 
-@pytest.mark.parametrize("model", ["tiny_llama", "tiny_qwen3"])
-def test_tp1_step_equals_reference_engine(model: str) -> None:
+@pytest.mark.parametrize("model,sdpa", [("tiny_llama", "auto"), ("tiny_qwen3", "auto"), ("tiny_qwen3", "flash")])
+def test_tp1_step_equals_reference_engine(model: str, sdpa: str) -> None:
     from pat_rollout.profile.gpu_step import ShardStep
 
     spec = MODELS[model][1]
     step = ShardStep(spec, rank_shape(spec, 1, max_tp=8), device=torch.device("cpu"), dtype=torch.float32,
-                     max_context=64, seed=3)
+                     max_context=64, sdpa=sdpa, seed=3)
     for norm in step.norms.values():  # non-trivial norms, so a misplaced one shows
         norm.weight.uniform_(0.5, 1.5)
     b, context = 3, 20
@@ -244,9 +244,11 @@ def test_out_of_memory_point_is_skipped_and_filled(tmp_path: Path, monkeypatch: 
 
 def test_nothing_measured_writes_nothing(tmp_path: Path) -> None:
     grid = GpuGrid(tps=(1,), batches=(1,), contexts=(8,), warmup=1, repeats=1, steps_per_repeat=1)
+    stale = tmp_path / "t_tiny_llama_measured.json"
+    stale.write_text("{}")  # an earlier run's file is neither claimed nor replaced
     paths = run(["tiny_llama"], grid, device_name="cpu", dtype_name="float32", graph=False, max_seconds=0.0,
                 out_dir=tmp_path, tag="t", reserve_bytes=0.0, kv_limit_bytes=None, ar_variant="central")
-    assert paths == [] and not list(tmp_path.iterdir())
+    assert paths == [] and list(tmp_path.iterdir()) == [stale] and stale.read_text() == "{}"
 
 
 def _point(b: int, c: int, t: float) -> PointResult:

@@ -65,7 +65,7 @@ def device_tag(name: str) -> str:
     return words[0] if words else "gpu"
 
 
-def measure_tp(model: str, tp: int, grid: GpuGrid, *, device, dtype, graph: bool, reserve_bytes: float,
+def measure_tp(model: str, tp: int, grid: GpuGrid, *, device, dtype, graph: bool, sdpa: str, reserve_bytes: float,
                kv_limit_bytes: float | None, budget: Budget, calib: list[float]) -> TpResult:
     """Time every grid point of one TP size that fits in memory and in `budget`. `calib` ([measured wall,
     estimated wall] so far, shared across TP sizes of a model) turns estimates into predictions."""
@@ -77,7 +77,7 @@ def measure_tp(model: str, tp: int, grid: GpuGrid, *, device, dtype, graph: bool
     shape = rank_shape(spec, tp, max_tp=max(grid.tps))
     est = StepEstimate(spec)
     t_start = time.perf_counter()
-    step = ShardStep(spec, shape, device=device, dtype=dtype, max_context=max(grid.contexts))
+    step = ShardStep(spec, shape, device=device, dtype=dtype, max_context=max(grid.contexts), sdpa=sdpa)
     if device.type == "cuda":
         free = torch.cuda.mem_get_info(device)[0]
         room = kv_budget_bytes(free, reserve_bytes)
@@ -182,7 +182,7 @@ def _env(device, dtype) -> dict:
 
 def run(models: list[str], grid: GpuGrid, *, device_name: str, dtype_name: str, graph: bool | None,
         max_seconds: float, out_dir: Path, tag: str | None, reserve_bytes: float, kv_limit_bytes: float | None,
-        ar_variant: str, clock=time.perf_counter) -> list[Path]:
+        ar_variant: str, sdpa: str | None = None, clock=time.perf_counter) -> list[Path]:
     """Measure every model in turn, each TP size within its share of `max_seconds`; write one profile per model
     (after every TP size). Returns the paths written."""
     import torch
@@ -192,7 +192,8 @@ def run(models: list[str], grid: GpuGrid, *, device_name: str, dtype_name: str, 
     graph = device.type == "cuda" if graph is None else graph
     if graph and device.type != "cuda":
         raise ValueError(f"graph=True needs a CUDA device, got device={device_name!r}")
-    env = _env(device, dtype)
+    sdpa = sdpa or ("flash" if device.type == "cuda" else "auto")
+    env = {**_env(device, dtype), "sdpa": sdpa}
     if device.type == "cuda":
         _spin_up(device)
     tag = tag or ("cpu" if device.type == "cpu" else device_tag(env["device"]))
@@ -207,9 +208,10 @@ def run(models: list[str], grid: GpuGrid, *, device_name: str, dtype_name: str, 
         path = out_dir / f"{tag}_{model}_measured.json"
         results: list[TpResult] = []
         calib = [0.0, 0.0]
+        wrote = False
         for j, tp in enumerate(grid.tps):
             tp_budget = model_budget.sub(cost[(model, tp)], sum(cost[(model, t)] for t in grid.tps[j:]))
-            results.append(measure_tp(model, tp, grid, device=device, dtype=dtype, graph=graph,
+            results.append(measure_tp(model, tp, grid, device=device, dtype=dtype, graph=graph, sdpa=sdpa,
                                       reserve_bytes=reserve_bytes, kv_limit_bytes=kv_limit_bytes, budget=tp_budget,
                                       calib=calib))
             _release(device)
@@ -219,7 +221,8 @@ def run(models: list[str], grid: GpuGrid, *, device_name: str, dtype_name: str, 
                 tmp = path.with_suffix(".tmp")
                 tmp.write_text(json.dumps(profile, indent=1))
                 tmp.replace(path)  # atomic: a killed run leaves the last complete file
-        if path.exists():
+                wrote = True
+        if wrote:
             written.append(path)
         else:
             logger.error("%s: nothing measured to write (omitted: %s)", model, profile["meta"]["omitted_tps"])
@@ -248,6 +251,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     ap.add_argument("--no-graph", action="store_true", help="eager only (always so on CPU)")
+    ap.add_argument("--sdpa", choices=("flash", "auto"), default=None,
+                    help="SDPA kernel: flash (FlashAttention-2 only; the CUDA default) or auto (torch picks; CPU)")
     ap.add_argument("--max-seconds", type=float, default=420.0,
                     help="wall budget of the measuring (start-up excluded); each model and TP size gets a share, "
                          "and a point predicted to overrun it is not started")
@@ -279,7 +284,7 @@ def main(argv: list[str] | None = None) -> None:
     graph = False if args.no_graph or device == "cpu" else None
     paths = run(models, grid, device_name=device, dtype_name=args.dtype, graph=graph, max_seconds=args.max_seconds,
                 out_dir=Path(args.out_dir), tag=args.tag, reserve_bytes=args.reserve_gib * GIB,
-                kv_limit_bytes=kv_limit, ar_variant=args.ar_variant)
+                kv_limit_bytes=kv_limit, ar_variant=args.ar_variant, sdpa=args.sdpa)
     for p in paths:
         print(f"wrote {p}")
 

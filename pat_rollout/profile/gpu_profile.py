@@ -98,7 +98,7 @@ def _rank_meta(spec_name: str, shape: RankShape) -> dict:
 def build_profile(model: str, grid: GpuGrid, results: list[TpResult], *, env: dict, graph: bool,
                   ar_variant: str = "central", wall_s: float = 0.0, max_seconds: float | None = None) -> dict:
     """The schema-v1 profile of a run. `env`: {"hardware", "device", "torch", "cuda", "hbm_bytes" (None on CPU),
-    "dtype", "date"}. TP sizes with nothing to keep are left out and listed in meta.omitted_tps."""
+    "dtype", "date", "sdpa"}. TP sizes with nothing to keep are left out and listed in meta.omitted_tps."""
     spec = MODELS[model][1]
     column = "graph" if graph else "eager"
     decode, prefill, filled, omitted, dropped = [], [], [], {}, {}
@@ -137,7 +137,8 @@ def build_profile(model: str, grid: GpuGrid, results: list[TpResult], *, env: di
         "measured": (f"per-step time of one rank's decode at its TP=k shard shapes ({column} median of "
                      f"{grid.repeats} repeats of {grid.steps_per_repeat} steps after {grid.warmup} warm-up; CUDA "
                      f"events on GPU, perf_counter on CPU); also the eager column"),
-        "attention": "torch scaled_dot_product_attention over the rank's KV heads, GQA groups as query rows",
+        "attention": (f"torch scaled_dot_product_attention ({env['sdpa']} backend) over the rank's KV heads, "
+                      f"the GQA group's query heads as query rows"),
         "kv_layout": "dense per layer [batch, kv_heads, context, head_dim], one context for all requests "
                      "(not paged: no page-table gather)",
         "weights": f"random {env['dtype']} made on the device (nothing downloaded); vocab padded to a multiple of "

@@ -20,18 +20,26 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from pat_rollout.engine.ref.layers import RMSNorm, apply_rope, rope_inv_freq
 from pat_rollout.profile.gpu_plan import RankShape
 from pat_rollout.types import ModelSpec
+
+# "flash": torch's FlashAttention-2 kernel only (it splits the KV length over blocks for decode-sized queries, as
+# serving kernels do), so the profile says which kernel ran; "auto": torch's own choice.
+SDPA_BACKENDS = {"flash": [SDPBackend.FLASH_ATTENTION], "auto": None}
 
 
 class ShardStep:
     """The decode step of one rank (rank 0) of a TP=`shape.tp_size` replica, with random weights on `device`."""
 
     def __init__(self, spec: ModelSpec, shape: RankShape, *, device: torch.device, dtype: torch.dtype,
-                 max_context: int, seed: int = 0) -> None:
+                 max_context: int, sdpa: str = "auto", seed: int = 0) -> None:
+        if sdpa not in SDPA_BACKENDS:
+            raise ValueError(f"sdpa={sdpa!r} must be one of {sorted(SDPA_BACKENDS)}")
         self.spec, self.shape, self.device, self.dtype = spec, shape, device, dtype
+        self.sdpa = sdpa
         gen = torch.Generator(device=device).manual_seed(seed)
         self.w: dict[str, torch.Tensor] = {}
         self.norms: dict[str, RMSNorm] = {}
@@ -60,6 +68,13 @@ class ShardStep:
     def logits(self, ids: torch.Tensor, positions: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
         """ids [B] at positions [B]: each request's new K/V goes to slot `positions` of `kv` (see kv_view) and it
         attends over all `context` slots; returns the rank's logits [B, vocab_rows]."""
+        backends = SDPA_BACKENDS[self.sdpa]
+        if backends is None:
+            return self._logits(ids, positions, kv)
+        with sdpa_kernel(backends):  # once per step: a context per layer would add host time to eager
+            return self._logits(ids, positions, kv)
+
+    def _logits(self, ids: torch.Tensor, positions: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
         spec, shape, w, nrm = self.spec, self.shape, self.w, self.norms
         d, nh, nkv = spec.head_dim, shape.num_heads, shape.num_kv_heads
         b = ids.shape[0]
