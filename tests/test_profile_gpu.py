@@ -30,7 +30,7 @@ from pat_rollout.profile.gpu_plan import (
     kv_budget_bytes,
     rank_shape,
 )
-from pat_rollout.profile.gpu_profile import FILLED, PointResult, TpResult, fill_grid
+from pat_rollout.profile.gpu_profile import FILLED, PointResult, TpResult, bracket_of, fill_grid, tp_efficiency
 from pat_rollout.profile.model import LatencyModel
 from pat_rollout.profile.published import AR_LATENCY_S, GPUS
 
@@ -196,6 +196,7 @@ def test_cli_writes_a_profile_latency_model_loads(tmp_path: Path) -> None:
     assert filled["compute_s"] == pytest.approx(points[(1, 4, 32)]["compute_s"] + max(slope, 0.0) * 32)
     assert filled["filled"] == FILLED
     assert all(m.prefill_s(tp, 100) > 0 for tp in m.tps)
+    assert meta["tp_efficiency"] == []  # no batch of 64 or more in this grid
 
 
 def test_budget_stop_keeps_whole_columns_and_writes_what_it_measured(tmp_path: Path) -> None:
@@ -270,6 +271,18 @@ def test_fill_grid_extrapolates_rows_and_drops_the_unfillable() -> None:
     res.stopped_at = (2, 40)  # a budget stop in the last column keeps the first two
     values, batches, contexts = fill_grid(res, grid, "eager")
     assert contexts == [10, 20] and batches == [1, 2, 4] and values[(4, 20)] == pytest.approx(6.0)
+
+
+def test_tp_efficiency_and_its_bracket() -> None:
+    decode = [{"tp": 1, "batch": 64, "context": 128, "step_s": 0.010},
+              {"tp": 2, "batch": 64, "context": 128, "step_s": 0.0060},  # 0.010 / (2 x 0.006) = 0.833
+              {"tp": 8, "batch": 64, "context": 128, "step_s": 0.0040, "filled": FILLED},  # 0.3125
+              {"tp": 4, "batch": 256, "context": 128, "step_s": 0.0010}]  # no TP1 point there: not compared
+    rows = tp_efficiency(decode)
+    assert rows == [{"tp": 2, "batch": 64, "context": 128, "eff": 0.8333, "bracket": "low-central", "filled": False},
+                    {"tp": 8, "batch": 64, "context": 128, "eff": 0.3125, "bracket": "below low", "filled": True}]
+    assert [bracket_of(4, x) for x in (0.49, 0.5, 0.7, 0.85, 0.86)] == \
+        ["below low", "low-central", "central-high", "central-high", "above high"]
 
 
 def test_budget_shares_follow_estimated_cost() -> None:

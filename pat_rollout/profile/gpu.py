@@ -224,6 +224,10 @@ def run(models: list[str], grid: GpuGrid, *, device_name: str, dtype_name: str, 
                 wrote = True
         if wrote:
             written.append(path)
+            for row in profile["meta"]["tp_efficiency"]:
+                logger.info("%s: TP%d per-GPU throughput vs TP1 at batch %d, context %d: %.3f (%s of the published "
+                            "bracket)%s", model, row["tp"], row["batch"], row["context"], row["eff"], row["bracket"],
+                            " [filled point]" if row["filled"] else "")
         else:
             logger.error("%s: nothing measured to write (omitted: %s)", model, profile["meta"]["omitted_tps"])
     return written

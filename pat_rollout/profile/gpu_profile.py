@@ -20,7 +20,7 @@ from pat_rollout.profile.gpu_plan import (
     profile_shape,
 )
 from pat_rollout.profile.model import SCHEMA_VERSION
-from pat_rollout.profile.published import AR_LATENCY_S, ASSUMED, FIG, MEM_FRACTION, SRC
+from pat_rollout.profile.published import AR_LATENCY_S, ASSUMED, EFF, FIG, MEM_FRACTION, SRC
 
 FILLED = ("extrapolated linearly in context from this batch's measured points: its KV (or the step) did not fit on "
           "the device")
@@ -177,6 +177,11 @@ def build_profile(model: str, grid: GpuGrid, results: list[TpResult], *, env: di
         "reshard": {"bandwidth_bytes_per_s": ASSUMED["reshard_bytes_per_s"], "fixed_s": ASSUMED["reshard_fixed_s"]},
         "group_switch_s": ASSUMED["group_switch_s"],
     }
+    meta["tp_efficiency"] = tp_efficiency(decode)
+    meta["sources"]["tp_efficiency"] = (f"per-GPU decode throughput of TP k relative to TP1 at the same batch per "
+                                        f"replica, t1 / (k tk), from step_s above; bracket: {FIG} 'TP cost under "
+                                        f"load' (low / central / high = {EFF['low']} / {EFF['central']} / "
+                                        f"{EFF['high']})")
     if env.get("hbm_bytes"):
         out["memory"] = {"hbm_bytes": float(env["hbm_bytes"]), "mem_fraction": MEM_FRACTION,
                          "activation_reserve_bytes": ASSUMED["activation_reserve_bytes"]}
@@ -190,3 +195,32 @@ def _prefill(tp: int, batches: list[int], c0: int, step: dict[tuple[int, int], f
     t0, t1 = step[(b0, c0)] + ar, step[(b1, c0)] + ar
     rate = (b1 - b0) / (t1 - t0) if b1 > b0 and t1 > t0 else b1 / t1
     return {"tp": tp, "tokens_per_s": rate, "fixed_s": max(0.0, t0 - b0 / rate)}
+
+
+def bracket_of(tp: int, eff: float) -> str:
+    """Where a per-GPU efficiency falls in the published bracket of TP `tp` (profile/published.py's EFF)."""
+    low, central, high = EFF["low"][tp], EFF["central"][tp], EFF["high"][tp]
+    if eff < low:
+        return "below low"
+    if eff > high:
+        return "above high"
+    return "low-central" if eff < central else "central-high"
+
+
+def tp_efficiency(decode: list[dict], batches=(64, 256, 512), contexts=(128, 2048)) -> list[dict]:
+    """t1 / (k tk) at each (batch, context) of `batches` x `contexts` that TP1 and TP k both have (measured or
+    filled; `filled` says which), with the published bracket it falls in."""
+    pts = {(p["tp"], p["batch"], p["context"]): p for p in decode}
+    out = []
+    for b in batches:
+        for c in contexts:
+            t1 = pts.get((1, b, c))
+            if t1 is None:
+                continue
+            for k in sorted({tp for tp, _, _ in pts if tp > 1 and tp in EFF["low"]}):
+                tk = pts.get((k, b, c))
+                if tk is not None:
+                    eff = t1["step_s"] / (k * tk["step_s"])
+                    out.append({"tp": k, "batch": b, "context": c, "eff": round(eff, 4), "bracket": bracket_of(k, eff),
+                                "filled": "filled" in t1 or "filled" in tk})
+    return out
