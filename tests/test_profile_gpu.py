@@ -222,6 +222,11 @@ def test_budget_stop_keeps_whole_columns_and_writes_what_it_measured(tmp_path: P
         if str(tp) in meta["stopped"]:
             assert max(contexts) < meta["stopped"][str(tp)][1]
     assert set(meta["omitted_tps"]) | {str(t) for t in m.tps} == {"1", "2"}
+    # What the budget cut from a column is not lost: every point measured is in the grid or in unused_points.
+    kept = {(p["tp"], p["batch"], p["context"]) for p in data["decode"]}
+    unused = {(tp, b, c) for tp, b, c, _ in meta["unused_points"]["rows"]}
+    assert unused and not unused & kept
+    assert all(tp in (1, 2) and c in grid.contexts and b in grid.batches for tp, b, c in unused)
 
 
 def test_out_of_memory_point_is_skipped_and_filled(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -79,7 +79,7 @@ def fill_grid(res: TpResult, grid: GpuGrid, column: str) -> tuple[dict[tuple[int
         elif len(known) == 1 and slopes:
             below = max(x for x in slopes if x < b)
             slopes[b] = slopes[below] * b / below
-        if not known or b not in slopes and len(known) < len(done):
+        if not known or (b not in slopes and len(known) < len(done)):
             continue
         kept.append(b)
         for c, v in _row_fill(known, done, slopes.get(b, 0.0)).items():
@@ -101,10 +101,13 @@ def build_profile(model: str, grid: GpuGrid, results: list[TpResult], *, env: di
     "dtype", "date", "sdpa"}. TP sizes with nothing to keep are left out and listed in meta.omitted_tps."""
     spec = MODELS[model][1]
     column = "graph" if graph else "eager"
-    decode, prefill, filled, omitted, dropped = [], [], [], {}, {}
+    decode, prefill, filled, omitted, dropped, unused = [], [], [], {}, {}, []
     for res in results:
         step, batches, contexts = fill_grid(res, grid, column)
         other = fill_grid(res, grid, "eager")[0] if graph else step
+        for p in res.points:  # measured, but outside the rectangle the profile keeps (a column cut by the budget)
+            if (p.batch, p.context) not in step:
+                unused.append([res.tp, p.batch, p.context, (p.graph or p.eager)[0]])
         if not batches:
             omitted[str(res.tp)] = "no finished context column" if res.stopped_at else "no point fitted in memory"
             continue
@@ -150,6 +153,7 @@ def build_profile(model: str, grid: GpuGrid, results: list[TpResult], *, env: di
         "skipped": {str(r.tp): [list(x) for x in r.skipped] for r in results},
         "out_of_memory": {str(r.tp): [list(x) for x in r.out_of_memory] for r in results if r.out_of_memory},
         "filled": filled, "dropped_batches": dropped, "omitted_tps": omitted,
+        "unused_points": {"columns": ["tp", "batch", "context", f"{column} compute_s"], "rows": unused},
         "stopped": {str(r.tp): list(r.stopped_at) for r in results if r.stopped_at},
         "wall_s": {"total": round(wall_s, 2), "max_seconds": max_seconds,
                    **{str(r.tp): round(r.wall_s, 2) for r in results}},
