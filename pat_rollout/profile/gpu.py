@@ -119,9 +119,9 @@ def measure_tp(model: str, tp: int, grid: GpuGrid, *, device, dtype, graph: bool
                 batch=b, context=c, eager=(eager.median_s, eager.min_s, eager.max_s),
                 graph=None if timed_graph is None else (timed_graph.median_s, timed_graph.min_s, timed_graph.max_s),
                 wall_s=wall))
+            graph_ms = "" if timed_graph is None else f", graph {timed_graph.median_s * 1e3:.3f} ms"
             logger.info("%s tp=%d batch=%d context=%d: eager %.3f ms%s (%.2f s)", model, tp, b, c,
-                        eager.median_s * 1e3, "" if timed_graph is None else f", graph {timed_graph.median_s * 1e3:.3f} ms",
-                        wall)
+                        eager.median_s * 1e3, graph_ms, wall)
     res.wall_s = time.perf_counter() - t_start
     return res
 
