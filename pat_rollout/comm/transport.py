@@ -196,10 +196,11 @@ class GlooTransport(Transport):
                     work.wait(timeout=datetime.timedelta(seconds=left))
         except RuntimeError as e:
             peers = sorted({peer for kind, _, peer, _ in ops if peer != self.device})
+            tags = [op.tag for op in p2p]
             limit = "the group's timeout" if limit_s is None else f"{limit_s:.1f} s for {nbytes} bytes"
             raise RuntimeError(
-                f"device {self.device}: transfer of task_ids {sorted({t for *_, t in ops})} with devices {peers} "
-                f"failed after {time.monotonic() - t0:.1f} s (limit {limit}): {e}") from e
+                f"device {self.device}: transfer of {len(p2p)} p2p ops (task_ids {min(tags)}..{max(tags)}) with "
+                f"devices {peers} failed after {time.monotonic() - t0:.1f} s (limit {limit}): {e}") from e
 
     def abort(self) -> None:
         """Close this device's connections in the group, so every peer blocked on it fails at once.

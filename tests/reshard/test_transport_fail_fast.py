@@ -68,10 +68,10 @@ def test_blocked_peer_is_released_in_seconds(case: str, tmp_path: Path) -> None:
     mp.spawn(_worker, args=(str(tmp_path / "store"), case, out), nprocs=2, join=True)
     elapsed, message = Path(f"{out}.1").read_text().split("\n", 1)
     if case == "timeout":  # floor 1 s + 1 MB at 1 MB/s, not the group's 120 s
-        assert re.search(r"device 1: transfer of task_ids \[3\] with devices \[0\] failed after .* s "
+        assert re.search(r"device 1: transfer of 1 p2p ops \(task_ids 3\.\.3\) with devices \[0\] failed after .* s "
                          r"\(limit 2\.0 s for 1000000 bytes\): .*Timed out waiting \d+ms", message), message
         assert 1.5 < float(elapsed) < 30, elapsed
     else:  # the abort closes device 0's pairs: device 1 fails at once, long before its 61 s limit
-        assert re.search(r"device 1: transfer of task_ids \[3\] with devices \[0\] failed after .* s "
+        assert re.search(r"device 1: transfer of 1 p2p ops \(task_ids 3\.\.3\) with devices \[0\] failed after .* s "
                          r"\(limit 61\.0 s for 1000000 bytes\): .*Connection (closed|reset) by peer", message), message
         assert float(elapsed) < 30, elapsed
