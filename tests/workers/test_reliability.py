@@ -97,16 +97,16 @@ def test_failed_transfer_releases_its_peer_in_seconds_at_default_timeouts(tiny_m
         wait_first_done(futures)  # the long requests of both replicas migrate: each device waits for the other
         _fail_next(driver, 1, "kv")
         kv_s = failed_switch(2, r"failed in KV hand-off .*device 0 failed in KV hand-off: RuntimeError\('device 0: "
-                                r"transfer .* with devices \[1\] failed after .*Connection (closed|reset) by peer.*"
-                                r"injected failure in phase 'kv' on device 1.*unfinished requests re-imported")
+                                r"transfer .* with devices \[1\] failed after .*Connection (closed|reset) by "
+                                r"peer.*injected failure in phase 'kv' on device 1.*unfinished requests re-imported")
         bounded(lambda: driver.reconfigure(2))
         _fail_next(driver, 1, "reshard")  # 1xTP2 -> 2xTP1: device 0 waits for device 1's half of every shard
         reshard_s = failed_switch(1, r"failed in reshard .*device 0 failed in reshard: RuntimeError\('device 0: "
-                                     r"transfer .* with devices \[1\] failed after .*Connection (closed|reset) by peer.*"
-                                     r"injected failure in phase 'reshard' on device 1")
+                                     r"transfer .* with devices \[1\] failed after .*Connection (closed|reset) by "
+                                     r"peer.*injected failure in phase 'reshard' on device 1")
         _fail_next(driver, 1, "kv", hang_s=7)  # late, then fails: device 0 gives up after floor + bytes / rate
         late_s = failed_switch(2, r"failed in KV hand-off .*device 0 failed in KV hand-off: RuntimeError\('device 0: "
-                                  r"transfer .* with devices \[1\] failed after 5\.\d s \(limit 5\.\d+ s for "
+                                  r"transfer .* with devices \[1\] failed after \d+\.\d s \(limit 5\.\d s for "
                                   r"\d+ bytes\): .*Timed out waiting .*injected failure in phase 'kv' on device 1")
         outputs = [f.result(timeout=120) for f in futures]
         assert [o.token_ids for o in bounded(lambda: driver.generate(requests, timeout=120))] == reference
