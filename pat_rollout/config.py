@@ -36,6 +36,9 @@ class PatRolloutConfig:
     - rpc_timeout_s, rpc_timeout_per_token_s: every RPC the driver waits on has the deadline
       comm_timeout_s + rpc_timeout_s + tokens of work x rpc_timeout_per_token_s (the floor lets a blocked
       transfer fail on the device first); a device that misses it marks the pool broken.
+    - transfer_timeout_floor_s, transfer_min_bytes_per_s: a KV hand-off or reshard transfer on the reference
+      backend waits at most floor + bytes moved / min rate (capped at comm_timeout_s), so a peer that never
+      arrives releases the others within seconds; a device that fails such a step releases them at once.
     """
 
     model_path: str
@@ -57,6 +60,8 @@ class PatRolloutConfig:
     comm_timeout_s: float = 120.0
     rpc_timeout_s: float = 60.0
     rpc_timeout_per_token_s: float = 0.05
+    transfer_timeout_floor_s: float = 5.0
+    transfer_min_bytes_per_s: float = 100e6
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
@@ -80,7 +85,8 @@ class PatRolloutConfig:
         for name in ("block_size", "num_kv_blocks", "max_num_seqs", "steps_per_poll"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
-        for name in ("comm_timeout_s", "rpc_timeout_s", "rpc_timeout_per_token_s"):
+        for name in ("comm_timeout_s", "rpc_timeout_s", "rpc_timeout_per_token_s", "transfer_timeout_floor_s",
+                     "transfer_min_bytes_per_s"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
                     or value <= 0:

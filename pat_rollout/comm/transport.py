@@ -4,12 +4,19 @@ Usage by an executor: submit every send and receive of a plan step (in task_id o
 once; after `run()` returns, every receive buffer is filled. Messages are matched by
 (src device, dst device, task_id); NCCL ignores tags and matches by order per peer pair, which holds
 because both sides submit in task_id order.
+
+Failing fast: a device that fails a transfer step calls `abort()`, which releases every peer blocked on it
+at once; `TransferTimeout` bounds a step by the bytes it moves, for peers that never arrive at all.
 """
 
 from __future__ import annotations
 
+import datetime
+import math
 import threading
+import time
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -37,6 +44,32 @@ class Transport(ABC):
 
     def close(self) -> None:
         """Release resources; the transport must not be used afterwards."""
+
+    def abort(self) -> None:
+        """This device failed a transfer step: release every peer blocked on it now. The transport (and its
+        group) must be rebuilt before the next step. Default: nothing to release."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TransferTimeout:
+    """How long one `run()` waits for its messages: `floor_s + bytes moved / min_bytes_per_s`, at most `max_s`
+    (the group's own timeout). The floor covers the skew between devices entering the same step (the
+    driver starts each phase on all devices at once, after the previous one finished everywhere)."""
+
+    floor_s: float = 5.0
+    min_bytes_per_s: float = 100e6
+    max_s: float = 1800.0
+
+    def __post_init__(self) -> None:
+        for name in ("floor_s", "min_bytes_per_s", "max_s"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+                    or value <= 0:
+                raise ValueError(f"TransferTimeout.{name}={value!r} must be a finite number > 0")
+
+    def seconds(self, nbytes: int) -> float:
+        """The wait allowed for a step that sends and receives `nbytes` bytes in all."""
+        return min(self.max_s, self.floor_s + nbytes / self.min_bytes_per_s)
 
 
 class LoopbackMailbox:
@@ -103,12 +136,15 @@ class GlooTransport(Transport):
     `device_to_group_rank` maps plan device ids to ranks in `group` (None: device id == group rank for
     every rank of the group). Self-messages are matched locally
     by task_id. Tags carry task_id (gloo matches on them; NCCL matches by submission order).
+    `timeout` bounds each `run()` by its bytes (None: the group's timeout alone).
     """
 
-    def __init__(self, group: dist.ProcessGroup | None, device_to_group_rank: dict[int, int] | None = None) -> None:
+    def __init__(self, group: dist.ProcessGroup | None, device_to_group_rank: dict[int, int] | None = None, *,
+                 timeout: TransferTimeout | None = None) -> None:
         import torch.distributed as dist
 
         self.group = group
+        self.timeout = timeout
         if device_to_group_rank is None:
             device_to_group_rank = {r: r for r in range(dist.get_world_size(group))}
         self.device_to_group_rank = dict(device_to_group_rank)
@@ -146,10 +182,51 @@ class GlooTransport(Transport):
                                   group_peer=self.device_to_group_rank[peer]))
         if local:
             raise RuntimeError(f"device {self.device}: self-sends without receive, task_ids {sorted(local)}")
-        if p2p:
+        if not p2p:
+            return
+        nbytes = sum(op.tensor.numel() * op.tensor.element_size() for op in p2p)
+        limit_s = None if self.timeout is None else self.timeout.seconds(nbytes)
+        t0 = time.monotonic()
+        try:
             for work in dist.batch_isend_irecv(p2p):
-                work.wait()
+                if limit_s is None:
+                    work.wait()
+                else:  # Work.wait(timeout) is a per-operation timeout on gloo and NCCL alike
+                    left = max(0.001, limit_s - (time.monotonic() - t0))
+                    work.wait(timeout=datetime.timedelta(seconds=left))
+        except RuntimeError as e:
+            peers = sorted({peer for kind, _, peer, _ in ops if peer != self.device})
+            tags = [op.tag for op in p2p]
+            limit = "the group's timeout" if limit_s is None else f"{limit_s:.1f} s for {nbytes} bytes"
+            raise RuntimeError(
+                f"device {self.device}: transfer of {len(p2p)} p2p ops (task_ids {min(tags)}..{max(tags)}) with "
+                f"devices {peers} failed after {time.monotonic() - t0:.1f} s (limit {limit}): {e}") from e
+
+    def abort(self) -> None:
+        """Close this device's connections in the group, so every peer blocked on it fails at once.
+
+        torch does not expose cancelling a blocked gloo transfer (Work.abort is not bound in Python, and
+        ProcessGroupGloo has no abort()), but a gloo receive that times out closes every pair of its
+        context on both ends ("Application timeout caused pair closure" here, "Connection closed by peer"
+        on the other side). So post a receive nobody sends and let it time out at once. NCCL would use
+        torch.distributed.distributed_c10d._abort_process_group on each blocked peer instead (thread-safe there).
+        """
+        import torch.distributed as dist
+
+        my_rank = dist.get_rank(self.group)
+        peers = [r for r in self.device_to_group_rank.values() if r != my_rank]
+        if not peers:
+            return
+        try:
+            work = dist.irecv(torch.empty(1), group=self.group, group_src=peers[0], tag=_ABORT_TAG)
+            work.wait(timeout=datetime.timedelta(milliseconds=1))
+        except RuntimeError:  # the expected timeout, or pairs a peer already closed
+            pass
 
     def close(self) -> None:
         self._ops.clear()
         self._local.clear()
+
+
+# Tag of abort()'s receive; plan task_ids are positions in a plan and stay far below it.
+_ABORT_TAG = 2**30

@@ -75,7 +75,9 @@ class RolloutDriver:
 
             group = WorkerGroup(num_cpus_per_worker=num_cpus_per_worker, world_size=config.num_devices,
                                 engine=self.engine_config, initial_layout=self.base, tp_sizes=config.tp_sizes,
-                                comm_timeout_s=config.comm_timeout_s, default_timeout_s=config.rpc_deadline_s())
+                                comm_timeout_s=config.comm_timeout_s, default_timeout_s=config.rpc_deadline_s(),
+                                transfer_timeout_floor_s=config.transfer_timeout_floor_s,
+                                transfer_min_bytes_per_s=config.transfer_min_bytes_per_s)
             reconfigurer = Reconfigurer(group, self.spec, model_shard_specs(self.spec, config.max_tp), self.base,
                                         handoff=config.kv_handoff, cost=cost, dtype_bytes=DTYPE_BYTES[config.dtype],
                                         deadline=config.rpc_deadline_s)

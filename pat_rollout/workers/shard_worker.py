@@ -7,11 +7,12 @@ Every method that communicates is called on all devices at once by the driver.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import logging
 import os
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,7 +21,7 @@ import torch.distributed as dist
 
 from pat_rollout.comm.groups import GroupCache
 from pat_rollout.comm.tp_context import TPContext
-from pat_rollout.comm.transport import GlooTransport
+from pat_rollout.comm.transport import GlooTransport, TransferTimeout
 from pat_rollout.engine.base import EngineSnapshot, StepResult
 from pat_rollout.engine.ref.config import RefEngineConfig
 from pat_rollout.engine.ref.engine import RefEngine
@@ -47,6 +48,8 @@ class WorkerInit:
     backend: str = "gloo"
     num_threads: int = 1
     comm_timeout_s: float = 1800.0  # every collective and transfer; a blocked peer errors out after this
+    transfer_timeout_floor_s: float = 5.0  # a KV hand-off or reshard step waits floor + bytes / min rate, at most
+    transfer_min_bytes_per_s: float = 100e6  # comm_timeout_s (comm.transport.TransferTimeout)
 
 
 FAULT_PHASES = ("export", "kv", "reshard", "switch", "import", "step", "rollback", "release")
@@ -80,7 +83,9 @@ class ShardWorker:
                                     world_size=self.init.world_size, timeout=timeout)
         self.groups = GroupCache(self.init.backend, timeout=timeout)
         self.groups.build(reachable_layouts(self.base, self.init.tp_sizes))
-        self.transport = GlooTransport(group=None, device_to_group_rank=None)
+        self.transport = GlooTransport(group=None, device_to_group_rank=None, timeout=TransferTimeout(
+            floor_s=self.init.transfer_timeout_floor_s, min_bytes_per_s=self.init.transfer_min_bytes_per_s,
+            max_s=self.init.comm_timeout_s))
 
     def rebuild_comm(self, init_method: str, rebind: bool = True) -> None:
         """Tear down and rebuild every process group (a timed-out gloo transfer leaves its pairs closed).
@@ -174,10 +179,11 @@ class ShardWorker:
     def handoff_kv(self, transfers: KVPlan | tuple[KVTransfer, ...]) -> float:
         """Send/receive KV of migrated requests; returns seconds spent."""
         t0 = time.perf_counter()
-        self._maybe_fail("kv")
         spec = self.engine.model_spec
-        self._incoming_kv = gather_kv(transfers, self.device, self.engine.export_kv, self.transport,
-                                      num_layers=spec.num_layers, head_dim=spec.head_dim, dtype=self.engine.dtype)
+        with self._transfer_step():
+            self._maybe_fail("kv")
+            self._incoming_kv = gather_kv(transfers, self.device, self.engine.export_kv, self.transport,
+                                          num_layers=spec.num_layers, head_dim=spec.head_dim, dtype=self.engine.dtype)
         elem = torch.tensor([], dtype=self.engine.dtype).element_size()
         mine = transfers.transfers if isinstance(transfers, KVPlan) else transfers
         self._kv_bytes_received = sum(spec.num_layers * 2 * t.num_tokens * t.num_heads * spec.head_dim * elem
@@ -187,10 +193,21 @@ class ShardWorker:
     def reshard(self, plan: Any) -> float:
         """Free the old KV, then reshard weights in place (grow) or with transfers (shrink)."""
         t0 = time.perf_counter()
-        self._maybe_fail("reshard")
-        self.engine.free_exported()
-        self._new_shards = reshard_local(self.engine.named_shards(), plan, self.device, self.transport)
+        with self._transfer_step():
+            self._maybe_fail("reshard")
+            self.engine.free_exported()
+            self._new_shards = reshard_local(self.engine.named_shards(), plan, self.device, self.transport)
         return time.perf_counter() - t0
+
+    @contextlib.contextmanager
+    def _transfer_step(self) -> Iterator[None]:
+        """A failure here aborts this device's transport, so peers waiting for its messages fail within
+        milliseconds instead of at their timeout; the driver's rollback then rebuilds every group."""
+        try:
+            yield
+        except Exception:
+            self.transport.abort()
+            raise
 
     def switch(self, layout: Layout) -> float:
         """Bind the engine to the cached group of `layout` and re-create its KV pool."""

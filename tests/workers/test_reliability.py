@@ -41,8 +41,8 @@ def _fail_next(driver, device: int, phase: str, hang_s: float = 0.0) -> None:
 
 def test_failure_in_every_transfer_phase_rolls_back_and_loses_nothing(tiny_models, requests, reference):
     """Export (requests already exported by the healthy device), KV hand-off and a shrink's weight
-    transfers with the peer blocked in gloo until comm_timeout_s: all roll back, the communicators are
-    rebuilt, and the next switch works."""
+    transfers with the peer blocked in gloo (released by the failed device's abort): all roll back, the
+    communicators are rebuilt, and the next switch works."""
     driver = RolloutDriver(pool_config(tiny_models["llama"], comm_timeout_s=3, **CFG))
     try:
         futures = driver.submit_many(requests)
@@ -54,7 +54,8 @@ def test_failure_in_every_transfer_phase_rolls_back_and_loses_nothing(tiny_model
         assert driver.layout == BASE
         _fail_next(driver, 1, "kv")
         with pytest.raises(ReconfigurationError, match=r"failed in KV hand-off .*device 0 failed in KV hand-off.*"
-                                                       r"[Tt]imed out.*injected failure in phase 'kv' on device 1"):
+                                                       r"Connection (closed|reset) by peer.*injected failure in "
+                                                       r"phase 'kv' on device 1"):
             bounded(lambda: driver.reconfigure(2))
         assert driver.layout == BASE
         bounded(lambda: driver.reconfigure(2))  # rebuilt communicators carry a switch
@@ -73,6 +74,49 @@ def test_failure_in_every_transfer_phase_rolls_back_and_loses_nothing(tiny_model
     assert metrics["pat/num_failed_reconfigs"] == 3 and metrics["pat/num_reconfigs"] == 1
     assert [i["num_comm_builds"] for i in info] == [3, 3]  # start-up, after the KV and the reshard failures
     assert plans.misses == 2 and plans.hits == 2  # 1->2 planned once and reused twice, 2->1 once
+
+
+def test_failed_transfer_releases_its_peer_in_seconds_at_default_timeouts(tiny_models, requests, reference):
+    """With comm_timeout_s at its default (120 s), a device that fails the KV hand-off or a shrink's weight
+    transfers while its peer waits for its messages releases that peer at once (the failure aborts its
+    transport), and one that is merely late lets the peer go after the transfer floor (5 s), not after
+    120 s. Each failure resolves in a rollback (the issue's bound: 15 s) and later outputs equal a clean run."""
+    cfg = pool_config(tiny_models["llama"], **CFG)
+    assert (cfg.comm_timeout_s, cfg.transfer_timeout_floor_s) == (120, 5)
+    driver = RolloutDriver(cfg)
+
+    def failed_switch(tp: int, match: str) -> float:
+        t0 = time.monotonic()
+        with pytest.raises(ReconfigurationError, match=match):
+            bounded(lambda: driver.reconfigure(tp), 60)
+        assert driver.layout == BASE
+        return time.monotonic() - t0
+
+    try:
+        futures = driver.submit_many(requests)
+        wait_first_done(futures)  # the long requests of both replicas migrate: each device waits for the other
+        _fail_next(driver, 1, "kv")
+        kv_s = failed_switch(2, r"failed in KV hand-off .*device 0 failed in KV hand-off: RuntimeError\('device 0: "
+                                r"transfer .* with devices \[1\] failed after .*Connection (closed|reset) by "
+                                r"peer.*injected failure in phase 'kv' on device 1.*unfinished requests re-imported")
+        bounded(lambda: driver.reconfigure(2))
+        _fail_next(driver, 1, "reshard")  # 1xTP2 -> 2xTP1: device 0 waits for device 1's half of every shard
+        reshard_s = failed_switch(1, r"failed in reshard .*device 0 failed in reshard: RuntimeError\('device 0: "
+                                     r"transfer .* with devices \[1\] failed after .*Connection (closed|reset) by "
+                                     r"peer.*injected failure in phase 'reshard' on device 1")
+        _fail_next(driver, 1, "kv", hang_s=7)  # late, then fails: device 0 gives up after floor + bytes / rate
+        late_s = failed_switch(2, r"failed in KV hand-off .*device 0 failed in KV hand-off: RuntimeError\('device 0: "
+                                  r"transfer .* with devices \[1\] failed after \d+\.\d s \(limit 5\.\d s for "
+                                  r"\d+ bytes\): .*Timed out waiting .*injected failure in phase 'kv' on device 1")
+        outputs = [f.result(timeout=120) for f in futures]
+        assert [o.token_ids for o in bounded(lambda: driver.generate(requests, timeout=120))] == reference
+        info = driver.worker_info()
+    finally:
+        driver.shutdown()
+    assert kv_s < 15 and reshard_s < 15, (kv_s, reshard_s)
+    assert late_s < 7 + 15, late_s  # the late device's own 7 s, then the rollback
+    assert [o.token_ids for o in outputs] == reference
+    assert [i["num_comm_builds"] for i in info] == [4, 4]  # start-up, then one rebuild per failed transfer
 
 
 def test_hung_device_breaks_the_pool_with_a_clear_error(tiny_models, requests):

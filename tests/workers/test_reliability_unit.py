@@ -15,7 +15,8 @@ from pat_rollout.workers.metrics import StageMetrics
 from pat_rollout.workers.reconfigure import ReconfigurationError
 
 
-@pytest.mark.parametrize("name", ["comm_timeout_s", "rpc_timeout_s", "rpc_timeout_per_token_s"])
+@pytest.mark.parametrize("name", ["comm_timeout_s", "rpc_timeout_s", "rpc_timeout_per_token_s",
+                                  "transfer_timeout_floor_s", "transfer_min_bytes_per_s"])
 @pytest.mark.parametrize("value", [0, -1.0, math.nan, math.inf, "5"])
 def test_timeouts_must_be_finite_and_positive(name, value):
     with pytest.raises(ValueError, match=f"{name}="):
