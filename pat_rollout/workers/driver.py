@@ -18,6 +18,14 @@ from collections.abc import Iterable
 from typing import Any
 
 from pat_rollout.config import DTYPE_BYTES, PatRolloutConfig
+from pat_rollout.driver.planner_glue import (
+    build_planner,
+    cluster_state,
+    load_profile,
+    poll_sample,
+    prompt_key,
+    start_state,
+)
 from pat_rollout.engine.base import RunningInfo
 from pat_rollout.engine.ref.config import RefEngineConfig, check_request
 from pat_rollout.kv.cost import handoff_cost
@@ -28,14 +36,6 @@ from pat_rollout.planner.state import Decision
 from pat_rollout.types import Request, RequestOutput
 from pat_rollout.workers.errors import PoolBrokenError, WorkerError
 from pat_rollout.workers.metrics import StageMetrics
-from pat_rollout.workers.pat_planner import (
-    build_planner,
-    cluster_state,
-    load_profile,
-    poll_sample,
-    prompt_key,
-    start_state,
-)
 from pat_rollout.workers.pool import Pool, RefPool
 from pat_rollout.workers.reconfigure import ReconfigurationError, Reconfigurer
 
