@@ -108,7 +108,7 @@ def test_exact_shards_in_place_and_failed_switch_rolls_back(tiny_models, hf_refe
     import torch
 
     from pat_rollout.reshard.apply import shard
-    from pat_rollout.sglang.scheduler_hooks import sglang_specs
+    from pat_rollout.sglang.live_model import sglang_specs
     from pat_rollout.workers.driver import RolloutDriver
     from pat_rollout.workers.reconfigure import ReconfigurationError
 
