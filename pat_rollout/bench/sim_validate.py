@@ -61,7 +61,7 @@ def measure(rounds: int, out: Path, append: bool = False) -> dict:
     import ray
 
     from pat_rollout.config import PatRolloutConfig
-    from pat_rollout.workers.driver import RolloutDriver
+    from pat_rollout.driver import RolloutDriver
     from pat_rollout.models import make_tiny_model
 
     model_path = str(make_tiny_model(Path(os.path.expanduser("~/.cache/pat_rollout/models")) / "llama-demo",

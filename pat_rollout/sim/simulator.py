@@ -294,7 +294,7 @@ class Sim:
         destination with its KV (`import_cached`) when the hand-off rule says migrate and it fits, else queued
         there for re-prefill of prompt + generated tokens. Same TP, same replicas, no weights move; the pool
         pauses for `_rebalance_s` as for a switch. The driver feeds its planner no measurement of a rebalance
-        (workers/driver.py `_apply_rebalance`), so neither does this."""
+        (driver/switching.py `_apply_rebalance`), so neither does this."""
         n = len(self.replicas)
         for m in action.moves:
             if not (m.src < n and m.dst < n):
