@@ -1,13 +1,13 @@
-"""The driver's background loop: one thread, the only one that calls the pool while requests run. Top to bottom
-as `DriverLoop._loop` runs it:
+"""The driver's background loop: the one thread that drives the pool while requests run (dispatch, steps, layout
+switches; calls that need an idle pool, such as weight updates, wait for it). Top to bottom as `_loop` runs it:
 
     wait for work (requests, a caller's switch or moves, an abort, shutdown)
-    -> abort?            every request ends with its partial output                        _do_abort
+    -> abort? every request ends with its partial output                                  _do_abort
     -> a caller's reconfigure(tp) / rebalance(moves)                                      _manual_*
     -> a batch reaching an idle pool starts a stage: base layout, or the planner's pick   _start_stage
     -> dispatch new requests, each to the replica with the fewest in flight               _dispatch
-    -> poll: step every busy replica k times -> resolve finished futures
-             -> planner: snapshot -> decide -> pool.reconfigure / pool.rebalance           _poll, switching.py
+    -> poll: step every busy replica k times -> resolve finished futures                  _poll
+       -> planner: snapshot -> decide -> pool.reconfigure / pool.rebalance                switching.py
     -> nothing left in flight: the stage ends                                             _end_stage
 
 An error in any of it fails every request in flight, and marks the pool broken when a device is gone (_fail_all).
