@@ -11,7 +11,13 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from pat_rollout.planner import PlannerConfig
 
-BACKENDS = ("reference", "sglang")
+# A backend is a package whose `backend` module builds its pool (`driver.backends.Backend`); imported by name when
+# the driver asks for it, so the reference path never imports sglang.
+BACKEND_MODULES = {
+    "reference": "pat_rollout.workers.backend",  # the plain-PyTorch engine on one Ray actor per device
+    "sglang": "pat_rollout.sglang.backend",  # one SGLang engine whose scheduler ranks are the replicas
+}
+BACKENDS = tuple(BACKEND_MODULES)
 POLICIES = ("pat", "static", "manual")
 KV_HANDOFFS = ("auto", "migrate", "recompute")
 DTYPE_BYTES = {"float32": 4, "float64": 8, "bfloat16": 2, "float16": 2}

@@ -85,8 +85,8 @@ def overhead_s(metrics: dict) -> float:
 
 
 def run(args: argparse.Namespace) -> bool:
-    from pat_rollout.workers.driver import RolloutDriver
-    from pat_rollout.workers.pat_planner import build_planner
+    from pat_rollout.driver import RolloutDriver
+    from pat_rollout.driver.planner_glue import build_planner
 
     model_path = str(make_tiny_model(Path(args.model_dir) / "llama-demo", "llama-demo"))
     cfg = PatRolloutConfig(model_path=model_path, num_devices=args.devices, policy="pat", initial_tp=1,

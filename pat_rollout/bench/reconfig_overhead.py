@@ -41,7 +41,7 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     import ray
 
-    from pat_rollout.workers.driver import RolloutDriver
+    from pat_rollout.driver import RolloutDriver
 
     path = str(make_tiny_model(Path(os.path.expanduser("~/.cache/pat_rollout/models")) / args.model, args.model))
     ray.init(num_cpus=max(2, args.devices), include_dashboard=False, log_to_driver=False,

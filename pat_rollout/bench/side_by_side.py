@@ -33,7 +33,7 @@ def timed_generate(cfg: PatRolloutConfig, requests: list[Request], warmup: list[
                    repeats: int = 1) -> RunResult:
     """Generate `requests` `repeats` times on one fresh driver for `cfg` after generating `warmup` (first-touch
     allocations, connections, kernels), and shut the driver down whatever happens."""
-    from pat_rollout.workers.driver import RolloutDriver
+    from pat_rollout.driver import RolloutDriver
 
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
@@ -67,7 +67,7 @@ def interleaved_generate(runs: dict[str, PatRolloutConfig], requests: list[Reque
     """One fresh driver per config, all alive at once: warm each up on `warmup`, then `repeats` rounds that each
     generate `requests` once on every driver in turn (order reversed every other round), so drifts of a shared
     machine hit every config alike. Shuts every driver down whatever happens."""
-    from pat_rollout.workers.driver import RolloutDriver
+    from pat_rollout.driver import RolloutDriver
 
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")

@@ -21,16 +21,12 @@ import random
 import time
 from pathlib import Path
 
+from pat_rollout.bench.sim_validate_configs import CONFIGS, EAGER
+from pat_rollout.bench.sim_validate_report import report
+
 DATA = Path(__file__).resolve().parent / "data"
 STEPS_PER_POLL = 4
 NUM_KV_BLOCKS = 512
-EAGER = {"eval_every_steps": 8, "min_steps_between_switches": 16, "min_gain_s": 0.0}
-CONFIGS = {  # name -> (policy, initial_tp, planner profile)
-    "static 2xTP1": ("static", 1, None),
-    "static 1xTP2": ("static", 2, None),
-    "PAT, CPU profile": ("pat", 1, "cpu_ref_llama_demo"),
-    "PAT, H100 profile": ("pat", 1, "h100_llama31_8b"),
-}
 
 
 def batch_specs() -> dict[str, list[tuple[int, int]]]:
@@ -65,8 +61,8 @@ def measure(rounds: int, out: Path, append: bool = False) -> dict:
     import ray
 
     from pat_rollout.config import PatRolloutConfig
+    from pat_rollout.driver import RolloutDriver
     from pat_rollout.models import make_tiny_model
-    from pat_rollout.workers.driver import RolloutDriver
 
     model_path = str(make_tiny_model(Path(os.path.expanduser("~/.cache/pat_rollout/models")) / "llama-demo",
                                      "llama-demo"))
@@ -124,8 +120,6 @@ def main(argv: list[str] | None = None) -> None:
         measured = measure(args.rounds, Path(args.out), args.append)
         if args.measure_only:
             return
-    from pat_rollout.bench.sim_validate_report import report
-
     report(measured, args.profile or ["cpu_ref_llama_demo"])
 
 

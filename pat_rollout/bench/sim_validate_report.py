@@ -7,6 +7,7 @@ import json
 import statistics
 from pathlib import Path
 
+from pat_rollout.bench.sim_validate_configs import CONFIGS, EAGER
 from pat_rollout.kv.cost import handoff_cost
 from pat_rollout.planner.policy import Planner, PlannerConfig
 from pat_rollout.profile.model import BUILTIN_PROFILES, DATA_DIR, LatencyModel
@@ -66,8 +67,6 @@ def report(measured: dict, profiles: list[str], poll_overhead_s: float = 0.0,
            concurrency_slowdown: float = 1.0, fitted: bool = True) -> list[float]:
     """Print the table per truth profile; returns every relative error (predicted / measured - 1) of the
     free-running simulation (the simulated planner deciding for itself)."""
-    from pat_rollout.bench.sim_validate import CONFIGS, EAGER
-
     meta = measured["meta"]
     errors = []
     for prof_name in profiles:

@@ -1,4 +1,6 @@
-"""The one KV-cache capacity rule of pat_rollout, shared by the planner's estimator, the driver and the simulator.
+"""A KV-cache capacity rule for devices known only by their memory; used by the simulator (`sim.hardware`: a
+replica's KV room from a profile's memory; `sim.replica`: blocks per request). The planner's estimator does not
+use it, and the engines count their own KV blocks (`engine.ref.block_manager`, SGLang's pool).
 
 Per device: KV room = mem_fraction x HBM - weights / tp - activation reserve. A TP group of `tp` devices shards
 the KV heads, so one token costs kv_bytes_per_token * ceil(num_kv_heads / tp) / num_kv_heads bytes on each device

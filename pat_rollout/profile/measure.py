@@ -76,7 +76,7 @@ def measure_profile(model_path: str, grid: ProfileGrid, *, num_devices: int, dty
     group = WorkerGroup(world_size=num_devices, engine=engine, initial_layout=base, tp_sizes=grid.tps)
     reconf = Reconfigurer(group, spec, model_shard_specs(spec, max_tp), base, handoff="recompute",
                           dtype_bytes=DTYPE_BYTES[dtype])
-    pool = RefPool(group, reconf, base)
+    pool = RefPool(group, reconf, base, engine)
     rng = random.Random(0)
     decode, prefill, phases = [], [], []
     try:

@@ -118,8 +118,8 @@ STATIC: tuple[Need, ...] = (
        f"{MC}.allocator:TokenToKVPoolAllocator.alloc + {MC}.allocator:TokenToKVPoolAllocator.free"),
     _n("pool_switch._check_idle, pat_switch", "sglang.srt.managers.schedule_batch:ScheduleBatch.filter_batch + "
        "sglang.srt.managers.schedule_batch:ScheduleBatch.reqs + sglang.srt.managers.schedule_batch:Req.finished"),
-    # models (scheduler_hooks.rebuild_model_for_current_tp rebuilds them with their own constructor)
-    *(_n(f"models/{m}.py, scheduler_hooks.rebuild_model_for_current_tp",
+    # models (live_model.rebuild_model_for_current_tp rebuilds them with their own constructor)
+    *(_n(f"models/{m}.py, live_model.rebuild_model_for_current_tp",
          f"sglang.srt.models.{m}:{c}.__init__(config) + sglang.srt.models.{m}:{c}.__init__(quant_config)")
       for m, c in (("llama", "LlamaForCausalLM"), ("qwen3", "Qwen3ForCausalLM"))),
     # CPU workaround: 0.5.12's logits processor pins memory unconditionally
@@ -136,9 +136,9 @@ ENGINE: tuple[Need, ...] = (
 _RUNNER = "scheduler:tp_worker.model_runner"
 # Not listed: `cur_batch_for_debug`, which pool_switch._flush only clears (0.5.12 sets it on the first batch).
 SCHEDULER: tuple[Need, ...] = (
-    _n("pool_switch, scheduler_hooks: the live model", f"{_RUNNER}.model.model.embed_tokens.num_embeddings_padded"
+    _n("pool_switch, live_model: the live model", f"{_RUNNER}.model.model.embed_tokens.num_embeddings_padded"
        f" + {_RUNNER}.model.config"),
-    _n("scheduler_hooks._hf_config_dict", f"{_RUNNER}.model_config.hf_config.to_dict"),
+    _n("live_model._hf_config_dict", f"{_RUNNER}.model_config.hf_config.to_dict"),
     _n("pool_switch: KV pool", *(" + ".join(f"{_RUNNER}.token_to_kv_pool.{a}" for a in (
         "k_buffer", "v_buffer", "head_num", "head_dim", "row_dim", "v_head_dim")),)),
     _n("pool_switch._check_idle, _flush, pat_switch", " + ".join(f"scheduler:{a}" for a in (

@@ -22,12 +22,13 @@ from pathlib import Path
 from typing import Any
 
 from pat_rollout.config import DTYPE_BYTES, PatRolloutConfig
+from pat_rollout.driver.errors import ReconfigurationError
+from pat_rollout.driver.pool import Pool, ReconfigResult
 from pat_rollout.engine.base import EngineSnapshot, StepResult
 from pat_rollout.kv.cost import HandoffCost
 from pat_rollout.layout import Layout
 from pat_rollout.types import ModelSpec, Request, RequestOutput, RequestState
-from pat_rollout.workers.pool import Pool
-from pat_rollout.workers.reconfigure import ReconfigResult, ReconfigurationError, balance_states, handoff_method
+from pat_rollout.workers.reconfigure import balance_states, handoff_method
 
 logger = logging.getLogger(__name__)
 

@@ -33,7 +33,7 @@ from pat_rollout.layout.shard import kv_heads_for_rank
 from pat_rollout.layout.transition import plan_weights
 from pat_rollout.reshard.apply import reshard_local
 from pat_rollout.sglang import compat, pool_hooks
-from pat_rollout.sglang.scheduler_hooks import _hf_config_dict, rebuild_model_for_current_tp, sglang_specs
+from pat_rollout.sglang.live_model import _hf_config_dict, rebuild_model_for_current_tp, sglang_specs
 from pat_rollout.types import ModelSpec
 
 

@@ -155,7 +155,7 @@ class Sim:
             self.where[r.rid] = rep
 
     def _start_state(self, reqs: list[SimReq], tp: int) -> ClusterState:
-        """The batch as the driver's planner sees it before dispatch (workers.pat_planner.start_state)."""
+        """The batch as the driver's planner sees it before dispatch (driver.planner_glue.start_state)."""
         return ClusterState(step=0, num_devices=self.num_devices, tp=tp, requests=tuple(
             ReqProgress(request_id=r.rid, prompt_key=r.prompt_key, num_prompt_tokens=r.prompt_len,
                         num_output_tokens=0, max_new_tokens=r.max_new) for r in reqs))
@@ -294,7 +294,7 @@ class Sim:
         destination with its KV (`import_cached`) when the hand-off rule says migrate and it fits, else queued
         there for re-prefill of prompt + generated tokens. Same TP, same replicas, no weights move; the pool
         pauses for `_rebalance_s` as for a switch. The driver feeds its planner no measurement of a rebalance
-        (workers/driver.py `_apply_rebalance`), so neither does this."""
+        (driver/switching.py `_apply_rebalance`), so neither does this."""
         n = len(self.replicas)
         for m in action.moves:
             if not (m.src < n and m.dst < n):

@@ -45,7 +45,7 @@ def union_visible_devices(per_worker: Sequence[str]) -> str:
 class PatReplica(RolloutReplica):
     """One verl rollout replica = one PAT pool of `tp * dp` devices behind one PatServer actor."""
 
-    # Builds the driver inside the server actor; None means pat_rollout.workers.driver.RolloutDriver.
+    # Builds the driver inside the server actor; None means pat_rollout.driver.RolloutDriver.
     # Tests may set a factory (it is pickled by value into the actor).
     driver_factory: Callable[[Any], Any] | None = None
 

@@ -45,7 +45,7 @@ def model_local_path(model_config: Any) -> str:
 
 
 def default_driver_factory(config: PatRolloutConfig) -> Any:
-    from pat_rollout.workers.driver import RolloutDriver
+    from pat_rollout.driver import RolloutDriver
 
     return RolloutDriver(config)
 

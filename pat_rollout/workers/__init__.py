@@ -1,16 +1,6 @@
-"""Ray actors (one per device, each holding one TP shard of an engine) and the driver that
-groups them into layouts, drives generation and runs PAT's reconfiguration protocol.
+"""The reference backend (`backend="reference"`): one Ray actor per device (`ShardWorker`, holding one TP shard of
+the reference engine), the `WorkerGroup` that calls them, the reconfiguration and rebalance protocols that run on
+them, and `RefPool`, the driver's `Pool` over them (built by `backend.py`).
 
-Only this package and verl/ import ray.
+Only this package and verl/ import ray; importing the package itself does not.
 """
-
-
-def __getattr__(name: str):  # lazy: importing the package must not start or import Ray
-    if name == "RolloutDriver":
-        from pat_rollout.workers.driver import RolloutDriver
-
-        return RolloutDriver
-    raise AttributeError(name)
-
-
-__all__ = ["RolloutDriver"]

@@ -11,7 +11,7 @@ from typing import Any
 
 import ray
 
-from pat_rollout.workers.pool import WorkerError
+from pat_rollout.driver.errors import WorkerError
 from pat_rollout.workers.shard_worker import ShardWorker, WorkerInit
 
 logger = logging.getLogger(__name__)

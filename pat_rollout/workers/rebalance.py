@@ -15,14 +15,13 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from pat_rollout.driver.errors import PoolBrokenError, RebalanceError, WorkerError
+from pat_rollout.driver.pool import RebalanceResult
 from pat_rollout.layout import Layout
 from pat_rollout.types import RequestState
-from pat_rollout.workers.errors import PoolBrokenError, WorkerError
 from pat_rollout.workers.reconfigure import (
-    ReconfigurationError,
     handoff_method,
     import_states,
     plan_handoff,
@@ -33,22 +32,6 @@ if TYPE_CHECKING:
     from pat_rollout.workers.reconfigure import Reconfigurer
 
 logger = logging.getLogger(__name__)
-
-
-class RebalanceError(ReconfigurationError):
-    """A rebalance failed; every moved request was re-admitted on its source replica, so `assignment` is the
-    assignment before the rebalance."""
-
-
-@dataclass(slots=True)
-class RebalanceResult:
-    layout: Layout
-    moves: dict[str, int]  # request id -> destination replica
-    phase_s: dict[str, float] = field(default_factory=dict)
-    assignment: dict[str, int] = field(default_factory=dict)  # request id -> replica, every request
-    migrated: tuple[str, ...] = ()
-    recomputed: tuple[str, ...] = ()
-    total_s: float = 0.0
 
 
 def check_moves(layout: Layout, moves: Mapping[str, int], assignment: Mapping[str, int]) -> None:

@@ -14,43 +14,21 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, NoReturn
 
+from pat_rollout.driver.errors import PoolBrokenError, ReconfigurationError, WorkerError
+from pat_rollout.driver.pool import ReconfigResult
 from pat_rollout.kv.cost import HandoffCost, choose_handoff
 from pat_rollout.kv.plan import KVPlan, plan_kv
 from pat_rollout.layout import Layout
 from pat_rollout.layout.transition import PlanCache, plan_layout
 from pat_rollout.planner.balance import balance
 from pat_rollout.types import ModelSpec, RequestState
-from pat_rollout.workers.errors import PoolBrokenError, WorkerError
 
 if TYPE_CHECKING:
     from pat_rollout.workers.group import WorkerGroup
 
 logger = logging.getLogger(__name__)
-
-
-class ReconfigurationError(RuntimeError):
-    """A reconfiguration failed; the pool was rolled back and no request was lost. `assignment`
-    (request id -> replica of the base layout) says where each unfinished request runs now."""
-
-    def __init__(self, message: str, assignment: dict[str, int] | None = None) -> None:
-        super().__init__(message)
-        self.assignment = dict(assignment or {})
-
-
-@dataclass(slots=True)
-class ReconfigResult:
-    src: Layout
-    dst: Layout
-    phase_s: dict[str, float] = field(default_factory=dict)
-    assignment: dict[str, int] = field(default_factory=dict)  # request id -> new replica
-    migrated: tuple[str, ...] = ()  # resumed from handed-off KV, as the engines report it
-    recomputed: tuple[str, ...] = ()  # including migrations the engines fell back from (import_fallbacks)
-    import_fallbacks: tuple[str, ...] = ()
-    kv_bytes_received: int = 0  # KV bytes that crossed devices in the hand-off, summed over devices
-    total_s: float = 0.0
 
 
 def handoff_method(mode: str, cost: HandoffCost | None, spec: ModelSpec, dtype_bytes: int, num_cached_tokens: int,

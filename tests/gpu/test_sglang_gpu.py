@@ -87,8 +87,8 @@ def test_sglang_pool_gpu_switch_equals_unswitched(handoff):
     import time
 
     from pat_rollout.config import PatRolloutConfig
+    from pat_rollout.driver import RolloutDriver
     from pat_rollout.sglang.engine import SGLangEngine
-    from pat_rollout.workers.driver import RolloutDriver
 
     max_new = 256
     a = SGLangEngine(MODEL, tp_size=1, device="cuda", dtype=DTYPE, mem_fraction_static=0.3)

@@ -68,7 +68,7 @@ def _run_with_switches(driver, reqs, at=(8, 40)):
 
 @pytest.mark.parametrize("arch,handoff", [("llama", "migrate"), ("qwen3", "recompute")])
 def test_switch_mid_decode_equals_hf(tiny_models, hf_reference, arch, handoff):
-    from pat_rollout.workers.driver import RolloutDriver
+    from pat_rollout.driver import RolloutDriver
 
     path = tiny_models[arch]
     driver = RolloutDriver(_config(path, handoff))
@@ -107,9 +107,9 @@ def test_switch_mid_decode_equals_hf(tiny_models, hf_reference, arch, handoff):
 def test_exact_shards_in_place_and_failed_switch_rolls_back(tiny_models, hf_reference, tmp_path):
     import torch
 
+    from pat_rollout.driver import RolloutDriver
     from pat_rollout.reshard.apply import shard
-    from pat_rollout.sglang.scheduler_hooks import sglang_specs
-    from pat_rollout.workers.driver import RolloutDriver
+    from pat_rollout.sglang.live_model import sglang_specs
     from pat_rollout.workers.reconfigure import ReconfigurationError
 
     path = tiny_models["qwen3"]
@@ -152,7 +152,7 @@ def test_planner_switches_sglang_pool_when_batch_drains(tiny_models, hf_referenc
     regroups 2 x TP1 -> 1 x TP2 by itself once the short requests finish; outputs still equal HF."""
     from profile_helpers import write_profile
 
-    from pat_rollout.workers.driver import RolloutDriver
+    from pat_rollout.driver import RolloutDriver
 
     path = tiny_models["llama"]
     cfg = PatRolloutConfig(model_path=path, num_devices=2, backend="sglang", initial_tp=1, candidate_tps=(1, 2),

@@ -35,7 +35,7 @@ def _sampled(tag: str, n: int = 4) -> list[Request]:
                    "(unavailable with the CPU attention backend); see the module docstring")
 @pytest.mark.parametrize("arch,handoff", [("llama", "migrate"), ("qwen3", "recompute")])
 def test_seeded_sampling_survives_switches(tiny_models, hf_reference, arch, handoff):
-    from pat_rollout.workers.driver import RolloutDriver
+    from pat_rollout.driver import RolloutDriver
 
     path = tiny_models[arch]
     driver = RolloutDriver(_config(path, handoff))

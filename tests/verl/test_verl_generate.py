@@ -40,7 +40,7 @@ def _driver_factory(kind: str):
 
         if importlib.util.find_spec("sglang") is None or importlib.util.find_spec("sglang.srt") is None:
             pytest.skip("SGLang is not installed in this environment (make install-verl-sglang)")
-    from pat_rollout.workers.driver import RolloutDriver
+    from pat_rollout.driver import RolloutDriver
 
     return RolloutDriver
 

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import dataclasses
 
+from pat_rollout.driver.metrics import StageMetrics
+from pat_rollout.driver.planner_glue import poll_sample
 from pat_rollout.engine.base import EngineSnapshot, RunningInfo, StepResult
 from pat_rollout.types import RequestOutput
-from pat_rollout.workers.metrics import StageMetrics
-from pat_rollout.workers.pat_planner import poll_sample
 
 
 def _result(num_steps: int, decoded: int, running: list[tuple[int, int]], prefill: int = 0):

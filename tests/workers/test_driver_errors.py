@@ -9,8 +9,8 @@ import time
 import pytest
 from pool_helpers import pool_config, skewed_requests
 
+from pat_rollout.driver import RolloutDriver
 from pat_rollout.models import make_tiny_model
-from pat_rollout.workers.driver import RolloutDriver
 
 
 def test_tp_not_dividing_heads_is_rejected_before_start(tiny_models):

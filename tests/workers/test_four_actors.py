@@ -8,8 +8,8 @@ import torch
 from pool_helpers import bounded, pool_config, skewed_requests, wait_first_done
 from safetensors.torch import load_file
 
+from pat_rollout.driver import RolloutDriver
 from pat_rollout.layout import Layout
-from pat_rollout.workers.driver import RolloutDriver
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 

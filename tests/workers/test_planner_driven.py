@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 from pool_helpers import pool_config, skewed_requests
 
+from pat_rollout.driver import RolloutDriver
 from pat_rollout.sim.policies import ReplayPolicy
-from pat_rollout.workers.driver import RolloutDriver
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 

@@ -10,7 +10,7 @@ import torch
 from hf_reference import hf_greedy
 from pool_helpers import pool_config, skewed_requests
 
-from pat_rollout.workers.driver import RolloutDriver
+from pat_rollout.driver import RolloutDriver
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 

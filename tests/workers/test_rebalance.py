@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from pool_helpers import bounded, one_replica_long, pool_config, skewed_requests, wait_first_done
 
-from pat_rollout.workers.driver import RolloutDriver
+from pat_rollout.driver import RolloutDriver
 from pat_rollout.workers.rebalance import RebalanceError
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]

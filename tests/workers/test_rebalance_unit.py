@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from pat_rollout.driver.metrics import StageMetrics
 from pat_rollout.layout import Layout
-from pat_rollout.workers.metrics import StageMetrics
 from pat_rollout.workers.pool import Pool, RefPool
 from pat_rollout.workers.rebalance import check_moves
 

@@ -8,7 +8,7 @@ import time
 import pytest
 from pool_helpers import pool_config, skewed_requests, wait_first_done
 
-from pat_rollout.workers.driver import RolloutDriver
+from pat_rollout.driver import RolloutDriver
 from pat_rollout.workers.reconfigure import ReconfigurationError
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]

@@ -10,9 +10,9 @@ import time
 import pytest
 from pool_helpers import bounded, pool_config, skewed_requests, wait_first_done
 
+from pat_rollout.driver import RolloutDriver
+from pat_rollout.driver.errors import PoolBrokenError
 from pat_rollout.layout import Layout
-from pat_rollout.workers.driver import RolloutDriver
-from pat_rollout.workers.errors import PoolBrokenError
 from pat_rollout.workers.reconfigure import ReconfigurationError
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]

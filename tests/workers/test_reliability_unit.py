@@ -8,10 +8,10 @@ import math
 import pytest
 from pool_helpers import pool_config
 
+from pat_rollout.driver import RolloutDriver
+from pat_rollout.driver.metrics import StageMetrics
 from pat_rollout.layout import Layout
 from pat_rollout.planner import Decision
-from pat_rollout.workers.driver import RolloutDriver
-from pat_rollout.workers.metrics import StageMetrics
 from pat_rollout.workers.reconfigure import ReconfigurationError
 
 

@@ -14,13 +14,10 @@ from pat_rollout.planner.calibration import PollSample
 from pat_rollout.profile.model import BUILTIN_PROFILES, DATA_DIR, LatencyModel
 from pat_rollout.types import ModelSpec, Request
 
-# The profile measured on this project's CPU machines with `python -m pat_rollout.profile`.
-DEFAULT_PROFILE = {"reference": "cpu_ref_llama_demo", "sglang": "h100_llama31_8b"}
 
-
-def load_profile(config: PatRolloutConfig) -> LatencyModel:
-    """config.profile_path (a file or a builtin name), else the backend's default profile."""
-    name = config.profile_path or DEFAULT_PROFILE[config.backend]
+def load_profile(config: PatRolloutConfig, default: str) -> LatencyModel:
+    """config.profile_path (a file or a builtin name), else `default` (the backend's DEFAULT_PROFILE)."""
+    name = config.profile_path or default
     if name in BUILTIN_PROFILES:
         return LatencyModel.from_json(DATA_DIR / BUILTIN_PROFILES[name])
     if (DATA_DIR / f"{name}.json").is_file():
@@ -31,8 +28,7 @@ def load_profile(config: PatRolloutConfig) -> LatencyModel:
     return LatencyModel.from_json(name)
 
 
-def build_planner(config: PatRolloutConfig, spec: ModelSpec, model: LatencyModel | None = None) -> Planner:
-    model = model or load_profile(config)
+def build_planner(config: PatRolloutConfig, spec: ModelSpec, model: LatencyModel) -> Planner:
     missing = [tp for tp in config.tp_sizes if tp not in model.tps]
     if missing:
         raise ValueError(f"profile {model.meta.get('model')!r} has no decode points for TP sizes {missing}; "

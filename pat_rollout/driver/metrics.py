@@ -4,6 +4,11 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from pat_rollout.driver.pool import ReconfigResult
+    from pat_rollout.engine.base import StepResult
 
 
 @dataclass(slots=True)
@@ -29,6 +34,25 @@ class StageMetrics:
     num_rebalanced: int = 0  # requests moved between replicas of one layout
     rebalance_phase_s: dict[str, float] = field(default_factory=dict)
     replica_finish_s: dict[int, float] = field(default_factory=dict)  # replica -> its latest completion
+
+    def record_step(self, replica: int, step: StepResult) -> None:
+        """What one poll's steps of `replica` generated."""
+        self.num_decode_tokens += step.num_decode_tokens
+        self.num_prefill_tokens += step.num_prefill_tokens
+        if step.finished:
+            self.record_replica_finish(replica)
+
+    def record_reconfig(self, result: ReconfigResult, layout: str) -> None:
+        """A switch to `layout` succeeded."""
+        self.num_reconfigs += 1
+        self.num_migrated += len(result.migrated)
+        self.num_recomputed += len(result.recomputed)
+        self.num_import_fallbacks += len(result.import_fallbacks)
+        self.kv_bytes_received += result.kv_bytes_received
+        for phase, s in result.phase_s.items():
+            self.add_phase(phase, s)
+        self.last_switch_s = time.perf_counter()
+        self.record_layout(layout)
 
     def record_rebalance(self, phase_s: dict[str, float], num_moved: int, num_migrated: int,
                          num_recomputed: int) -> None:
