@@ -96,7 +96,8 @@ class SglPool(Pool):
         self.memory_saver = bool(args.get("enable_memory_saver"))
         t0 = time.perf_counter()
         sgl = launch_pool_engine(config, self.layouts, self.device, **args)
-        self.client = SGLangEngine(config.model_path, tp_size=config.num_devices, sgl=sgl)
+        self.client = SGLangEngine(config.model_path, tp_size=config.num_devices, sgl=sgl,
+                                   eos_token_ids=spec.eos_token_ids)
         self.startup_s = time.perf_counter() - t0
         self.workdir = tempfile.mkdtemp(prefix="pat-sglpool-")
         self._replica: dict[str, int] = {}  # request id -> replica in the current layout
