@@ -97,6 +97,9 @@ STATIC: tuple[Need, ...] = (
     _n("pool_hooks._install_routing", "sglang.srt.managers.io_struct:TokenizedGenerateReqInput.rid"),
     _n("pool_hooks._install_output_path", "sglang.srt.utils.network:get_zmq_socket",),
     _n("pool_hooks._install_output_path", "sglang.srt.server_args:PortArgs.tokenizer_ipc_name"),
+    # sampling: every rank of a new replica reseeded alike (pool_switch._reseed); the tests' sampled-id log
+    _n("pool_switch._reseed", "sglang.srt.utils:set_random_seed"),
+    _n("debug_hooks.install (patched; tests only)", f"{SCHED}:Scheduler.process_batch_result"),
     # sampling: the `sampling_seed` key of every sampled request
     _n("engine.sglang_sampling_params (0.5.23: a msgspec field; 0.5.12: set in __init__)",
        "sglang.srt.sampling.sampling_params:SamplingParams.sampling_seed",
@@ -144,6 +147,7 @@ SCHEDULER: tuple[Need, ...] = (
     _n("pool_switch._check_idle, _flush, pat_switch", " + ".join(f"scheduler:{a}" for a in (
         "running_batch", "waiting_queue", "chunked_req", "last_batch", "tree_cache",
         "req_to_token_pool", "token_to_kv_pool_allocator", "skip_tokenizer_init"))),
+    _n("pool_switch._reseed: the engine's seed", "scheduler:server_args.random_seed"),
     _n("compat.install_output_sockets", "scheduler:ipc_channels.send_to_detokenizer",
        "scheduler:send_to_detokenizer + scheduler:send_to_tokenizer"),
     _n("pool_hooks._build_groups, pool_switch._transport: the WORLD group", " + ".join(
