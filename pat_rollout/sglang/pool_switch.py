@@ -194,7 +194,9 @@ def pat_switch(self, dst_groups: list[list[int]], moves: list[list[Any]], path: 
     specs = {n: s for n, s in specs.items() if n in named}
     wplan = plan_weights(src, dst, specs)
     sharded = {n: named[n] for n in specs if specs[n].dim is not None}
-    with torch.no_grad():
+    # Every new shard (a shrink's receive buffers, a grow's compacted storage: resize_ reallocates) is
+    # allocated inside the weights region, so verl's release_memory_occupation frees it like the loaded ones.
+    with torch.no_grad(), compat.weights_region(self.server_args, runner):
         new_params = reshard_local(sharded, wplan, rank, _transport())
     in_place = sum(1 for n in sharded if new_params[n] is named[n])
     phase["reshard"] = time.perf_counter() - t
@@ -202,7 +204,8 @@ def pat_switch(self, dst_groups: list[list[int]], moves: list[list[Any]], path: 
     t = time.perf_counter()
     _maybe_fail("switch")
     st.groups = dst.groups
-    _rebuild(self, new_params, dst.tp_size)
+    with compat.weights_region(self.server_args, runner):
+        _rebuild(self, new_params, dst.tp_size)
     lo, hi = kv_heads_for_rank(num_kv_heads, dst.position(rank)[1], dst.tp_size)
     _reshape_kv_pool(pool, hi - lo)
     tokens = {m[0]: m[1] for m in moves}
@@ -225,9 +228,10 @@ def pat_restore_base(self, path: str) -> None:
     runner = self.tp_worker.model_runner
     _flush(self)
     base = Layout(st.base)
-    params = {n: t.to(next(runner.model.parameters()).device, copy=True) for n, t in st.backup.items()}
-    st.groups = base.groups
-    _rebuild(self, params, base.tp_size)
+    with compat.weights_region(self.server_args, runner):  # what release frees (see pat_switch)
+        params = {n: t.to(next(runner.model.parameters()).device, copy=True) for n, t in st.backup.items()}
+        st.groups = base.groups
+        _rebuild(self, params, base.tp_size)
     num_kv_heads = ModelSpec.from_hf_config(_hf_config_dict(self)).num_kv_heads
     lo, hi = kv_heads_for_rank(num_kv_heads, base.position(st.rank)[1], base.tp_size)
     _reshape_kv_pool(_kv_pool(self), hi - lo)
