@@ -128,6 +128,26 @@ def weight_update_method() -> tuple[type, str]:
     return WeightUpdater, "update_weights_from_tensor"
 
 
+def prefill_graph_off_args() -> dict[str, bool]:
+    """ServerArgs that turn prefill CUDA graphs off. 0.5.12 captures piecewise prefill graphs unless
+    `disable_piecewise_cuda_graph` (its runner keeps the base model's attention layers, so after a switch a
+    prefill would replay modules the switch replaced); 0.5.23 spells it `disable_prefill_cuda_graph` (its
+    `disable_cuda_graph` turns both phases off too; set explicitly all the same)."""
+    from sglang.srt.server_args import ServerArgs
+
+    # A field with a default is a class attribute in both (0.5.12: a dataclass; 0.5.23: assembled namespaces)
+    return {n: True for n in ("disable_piecewise_cuda_graph", "disable_prefill_cuda_graph") if hasattr(ServerArgs, n)}
+
+
+def weights_region(server_args, model_runner) -> contextlib.AbstractContextManager:
+    """SGLang's memory-saver region for weights (the tag `release_memory_occupation(["weights"])` frees), with
+    the CPU backup setting SGLang loaded the weights with. A no-op without the memory saver."""
+    from sglang.srt.constants import GPU_MEMORY_TYPE_WEIGHTS
+
+    backup = bool(getattr(server_args, "enable_weights_cpu_backup", False))
+    return model_runner.memory_saver_adapter.region(GPU_MEMORY_TYPE_WEIGHTS, enable_cpu_backup=backup)
+
+
 def reinit_attention(tp_worker) -> None:
     """Re-create the attention backend(s) after a layout switch (they size per-head state at build time)."""
     if hasattr(tp_worker, "init_attention_backends"):

@@ -79,10 +79,12 @@ class SGLangEngine(Engine):
     """
 
     def __init__(self, model_path: str, *, tp_size: int = 1, device: str = "cpu", sgl: Any = None,
-                 **server_overrides: Any):
-        """`sgl`: an already launched `sglang.Engine` to drive (SglPool); otherwise one is launched here."""
+                 eos_token_ids: tuple[int, ...] = (), **server_overrides: Any):
+        """`sgl`: an already launched `sglang.Engine` to drive (SglPool); otherwise one is launched here.
+        `eos_token_ids`: the model's EOS ids (an export tells a request that stopped at EOS from a running one)."""
         self.model_path = model_path
         self.tp_size = tp_size
+        self.eos_token_ids = tuple(eos_token_ids)
         t0 = time.perf_counter()
         self.sgl = sgl if sgl is not None else launch_engine(model_path, tp_size=tp_size, device=device,
                                                              **server_overrides)
@@ -216,6 +218,8 @@ class SGLangEngine(Engine):
         self.loop.run_until_complete(asyncio.gather(*(t.task for t in chosen)))
         states = []
         for t in chosen:
+            if t.finish_reason == "abort" and (done := self._complete(t)):
+                t.finish_reason = done  # the abort arrived with the final token: finished, nothing to continue
             if t.finish_reason != "abort":  # finished by itself (length/stop) before the abort landed
                 continue
             del self._tracked[t.request_id]
@@ -223,6 +227,15 @@ class SGLangEngine(Engine):
                                        output_token_ids=t.output_ids, output_log_probs=t.output_log_probs,
                                        sampling=t.sampling, num_cached_tokens=0))
         return states
+
+    def _complete(self, t: _Tracked) -> str | None:
+        """Why a request whose stream ended in an abort had in fact finished: its budget is used up or its
+        last token stops it (SGLang reports an abort that lands in the step sampling the final token as
+        "abort" with every token). None when it still has tokens to generate."""
+        ids, sp = t.output_ids, t.sampling
+        if ids and ((not sp.ignore_eos and ids[-1] in self.eos_token_ids) or ids[-1] in sp.stop_token_ids):
+            return "stop"
+        return "length" if len(ids) >= sp.max_new_tokens else None
 
     def export_kv(self, request_id: str, kv_heads: tuple[int, int]) -> torch.Tensor:
         raise NotImplementedError("SGLangEngine: KV export is not implemented (the recompute path needs none)")

@@ -55,13 +55,16 @@ WU = "sglang.srt.model_executor.model_runner_components.weight_updater:WeightUpd
 SERVER_ARGS = ("model_path", "tp_size", "skip_tokenizer_init", "random_seed", "skip_server_warmup", "log_level",
                "device", "attention_backend", "sampling_backend", "disable_cuda_graph", "dtype", "max_total_tokens",
                "mem_fraction_static", "disable_overlap_schedule", "enable_memory_saver", "watchdog_timeout",
-               "base_gpu_id")
+               "base_gpu_id", "max_running_requests")
 
 STATIC: tuple[Need, ...] = (
     # launch: the engine class and its settings
     _n("launch.pat_engine_class: scheduler entry point", f"{ENG}.run_scheduler_process_func"),
     _n("scheduler_hooks.run_scheduler_process", f"{SCHED}:run_scheduler_process"),
     *(_n("launch.server_kwargs", f"{SA}.{f}") for f in SERVER_ARGS),
+    _n("compat.prefill_graph_off_args (0.5.12 piecewise, 0.5.23 prefill graphs)",
+       f"{SA}.disable_piecewise_cuda_graph", f"{SA}.disable_prefill_cuda_graph"),
+    _n("compat.weights_region", "sglang.srt.constants:GPU_MEMORY_TYPE_WEIGHTS",),
     # engine.py / pool.py: Engine methods
     *(_n("engine.SGLangEngine", f"{ENG}.{m}") for m in (
         "async_generate", "collective_rpc", "update_weights_from_tensor", "release_memory_occupation",
@@ -97,6 +100,9 @@ STATIC: tuple[Need, ...] = (
     _n("pool_hooks._install_routing", "sglang.srt.managers.io_struct:TokenizedGenerateReqInput.rid"),
     _n("pool_hooks._install_output_path", "sglang.srt.utils.network:get_zmq_socket",),
     _n("pool_hooks._install_output_path", "sglang.srt.server_args:PortArgs.tokenizer_ipc_name"),
+    # sampling: every rank of a new replica reseeded alike (pool_switch._reseed); the tests' sampled-id log
+    _n("pool_switch._reseed", "sglang.srt.utils:set_random_seed"),
+    _n("debug_hooks.install (patched; tests only)", f"{SCHED}:Scheduler.process_batch_result"),
     # sampling: the `sampling_seed` key of every sampled request
     _n("engine.sglang_sampling_params (0.5.23: a msgspec field; 0.5.12: set in __init__)",
        "sglang.srt.sampling.sampling_params:SamplingParams.sampling_seed",
@@ -144,6 +150,8 @@ SCHEDULER: tuple[Need, ...] = (
     _n("pool_switch._check_idle, _flush, pat_switch", " + ".join(f"scheduler:{a}" for a in (
         "running_batch", "waiting_queue", "chunked_req", "last_batch", "tree_cache",
         "req_to_token_pool", "token_to_kv_pool_allocator", "skip_tokenizer_init"))),
+    _n("pool_switch._reseed: the engine's seed", "scheduler:server_args.random_seed"),
+    _n("compat.weights_region: reshard/restore allocations", f"{_RUNNER}.memory_saver_adapter.region"),
     _n("compat.install_output_sockets", "scheduler:ipc_channels.send_to_detokenizer",
        "scheduler:send_to_detokenizer + scheduler:send_to_tokenizer"),
     _n("pool_hooks._build_groups, pool_switch._transport: the WORLD group", " + ".join(

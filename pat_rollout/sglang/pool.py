@@ -47,6 +47,18 @@ def check_model(config: PatRolloutConfig) -> ModelSpec:
     spec = ModelSpec.from_hf_config(json.loads(cfg_path.read_text()))
     for tp in config.tp_sizes:
         spec.check_tp(tp)
+    smallest = min(config.tp_sizes)
+    if config.initial_tp > smallest:
+        # SGLang sizes its KV pool (token count from mem_fraction_static, heads per rank) once, in the base
+        # layout, and the pool keeps that token count in every layout: a smaller TP holds more KV heads per
+        # rank for the same tokens, which the memory budget never accounted for (OOM on a GPU).
+        heads = (max(1, spec.num_kv_heads // config.initial_tp), max(1, spec.num_kv_heads // smallest))
+        raise ValueError(
+            f"backend='sglang': initial_tp={config.initial_tp} is above the smallest TP size {smallest} of "
+            f"tp_sizes={config.tp_sizes}; SGLang sizes the KV pool for the base layout ({heads[0]} of "
+            f"num_kv_heads={spec.num_kv_heads} per rank) and keeps its token count, so TP{smallest} would need "
+            f"{heads[1] / heads[0]:g}x the KV memory per rank. Start in the smallest TP (initial_tp={smallest}) "
+            f"or drop the smaller sizes from candidate_tps")
     return spec
 
 
@@ -68,13 +80,26 @@ def launch_pool_engine(config: PatRolloutConfig, layouts: dict[int, Layout], dev
     base = Layout.uniform(config.num_devices, config.initial_tp)
     env[POOL_ENV] = json.dumps({"base": [list(g) for g in base.groups],
                                 "layouts": {str(tp): [list(g) for g in lay.groups] for tp, lay in layouts.items()}})
-    # No overlap scheduling: a switch RPC must find no batch in flight (the overlap loop processes the previous
-    # batch's result after the next iteration's input requests, i.e. after the switch). No CUDA graphs: they
-    # would capture the base layout's modules, which a switch replaces (recapture per layout is future work).
-    kw = dict(dtype=config.dtype, random_seed=config.seed, disable_overlap_schedule=True, disable_cuda_graph=True)
-    kw.update(overrides)
     with patched_environ(env, unset=("SGLANG_CPU_OMP_THREADS_BIND",)):
-        return pat_engine_class()(**server_kwargs(config.model_path, tp_size=config.num_devices, device=device, **kw))
+        engine_cls = pat_engine_class()  # checks the inventory first: SGLang imports under the engine's env
+        return engine_cls(**server_kwargs(config.model_path, tp_size=config.num_devices, device=device,
+                                          **pool_engine_args(config, **overrides)))
+
+
+def pool_engine_args(config: PatRolloutConfig, **overrides: Any) -> dict[str, Any]:
+    """The ServerArgs an SglPool sets on top of `launch.server_kwargs` (`overrides`, e.g. engine_args, win).
+    No overlap scheduling: a switch RPC must find no batch in flight (the overlap loop processes the previous
+    batch's result after the next iteration's input requests, i.e. after the switch). No CUDA graphs, decode
+    or prefill (piecewise): they would capture the base layout's modules, which a switch replaces (recapture
+    per layout is future work). `max_running_requests` per rank, i.e. per replica, as verl's SGLang server
+    passes its `max_num_seqs`. Imports sglang: call with the engine's environment set."""
+    from pat_rollout.sglang import compat
+
+    kw: dict[str, Any] = dict(dtype=config.dtype, random_seed=config.seed, disable_overlap_schedule=True,
+                              disable_cuda_graph=True, max_running_requests=config.max_num_seqs,
+                              **compat.prefill_graph_off_args())
+    kw.update(overrides)
+    return kw
 
 
 class SglPool(Pool):
@@ -97,7 +122,8 @@ class SglPool(Pool):
         self.memory_saver = bool(args.get("enable_memory_saver"))
         t0 = time.perf_counter()
         sgl = launch_pool_engine(config, self.layouts, self.device, **args)
-        self.client = SGLangEngine(config.model_path, tp_size=config.num_devices, sgl=sgl)
+        self.client = SGLangEngine(config.model_path, tp_size=config.num_devices, sgl=sgl,
+                                   eos_token_ids=spec.eos_token_ids)
         self.startup_s = time.perf_counter() - t0
         self.workdir = tempfile.mkdtemp(prefix="pat-sglpool-")
         self._replica: dict[str, int] = {}  # request id -> replica in the current layout

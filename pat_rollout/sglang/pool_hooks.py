@@ -58,6 +58,7 @@ class PoolState:
     coordinators: dict[int, Any] = field(default_factory=dict)  # tp -> GroupCoordinator (tp != world)
     backup: dict[str, torch.Tensor] | None = None  # host copy of the base layout's params (rollback)
     fail_next: str | None = None  # fault injection for tests: a switch phase name
+    switches: int = 0  # pat_switch / pat_restore_base calls so far (every rank runs each): seeds the sampler RNG
 
     @property
     def tp(self) -> int:

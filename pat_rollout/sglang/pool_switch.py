@@ -11,7 +11,8 @@ rank's tree still holds the KV of the requests its replica ran. `pat_switch` the
 3. flush SGLang's radix tree and KV pool (the exported pieces are copies by now);
 4. reshard the live parameters with `plan_weights` + `reshard_local` (grow: in place, zero bytes moved; shrink:
    receives over the same group) and rebuild the module tree for the new layout around them;
-5. reshape the KV pool for the new head count and insert every received prefix into the radix tree.
+5. reshape the KV pool for the new head count and insert every received prefix into the radix tree;
+6. reseed every RNG SGLang's sampler draws from, the same on every rank of a replica (`_reseed`).
 
 The driver then resubmits every request (prompt + generated tokens, remaining budget) to its new replica: SGLang's
 own prefix matching finds the migrated KV, so only the tokens after the cached prefix are prefilled; requests
@@ -20,6 +21,7 @@ chosen for recomputation are prefilled in full. Results come back as JSON files 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import time
 from typing import Any
@@ -105,6 +107,32 @@ def _insert_prefix(self, pool, tokens: list[int], kv: torch.Tensor) -> None:
         self.token_to_kv_pool_allocator.free(slots[:prefix_len])
 
 
+def _replica_seed(random_seed: int, switches: int, replica: int) -> int:
+    """Sampler seed of one replica after the `switches`-th switch: equal on its ranks, different across replicas
+    and switches. < 2**32 because SGLang's `set_random_seed` also seeds numpy."""
+    digest = hashlib.blake2b(f"{random_seed}:{switches}:{replica}".encode(), digest_size=4).digest()
+    return int.from_bytes(digest, "little")
+
+
+def _reseed(self) -> float:
+    """Give every rank of this rank's new replica the same RNG state; returns the seconds it took.
+
+    SGLang does not exchange sampled token ids between the ranks of a TP group (only with
+    SYNC_TOKEN_IDS_ACROSS_TP or grammars, `Sampler._sync_token_ids_across_tp`): each rank samples on its own
+    (`torch.multinomial`, the Gumbel `exponential_`, flashinfer's kernels: all on the torch default generator
+    of the device) and relies on identical RNG states, which SGLang seeds once from `random_seed` at start-up.
+    In a layout with several replicas the ranks run different batches and their states diverge, so the ranks
+    of a new wider replica would sample different tokens, feed different embeddings into the same
+    all-reduces and, when one reaches EOS first, leave the other blocked in a collective. SGLang's own
+    `set_random_seed` seeds python, numpy, torch CPU and every CUDA device: the same RNGs it seeded at start."""
+    from sglang.srt.utils import set_random_seed
+
+    st = pool_hooks.STATE
+    t = time.perf_counter()
+    set_random_seed(_replica_seed(int(self.server_args.random_seed), st.switches, st.replica))
+    return time.perf_counter() - t
+
+
 def _rebuild(self, params: dict[str, torch.Tensor] | None, tp: int) -> None:
     runner = self.tp_worker.model_runner
     with pool_hooks.tp_context(tp):
@@ -121,6 +149,7 @@ def pat_switch(self, dst_groups: list[list[int]], moves: list[list[Any]], path: 
     """Switch this rank to layout `dst_groups`. `moves`: [request_id, tokens, src_replica, dst_replica] of every
     request chosen for KV migration (tokens = prompt + generated so far)."""
     st = pool_hooks.STATE
+    st.switches += 1  # first, before any failure point: every rank counts every switch and rollback
     src, dst = Layout(st.groups), Layout(tuple(tuple(g) for g in dst_groups))
     rank, runner = st.rank, self.tp_worker.model_runner
     hf = _hf_config_dict(self)
@@ -165,7 +194,9 @@ def pat_switch(self, dst_groups: list[list[int]], moves: list[list[Any]], path: 
     specs = {n: s for n, s in specs.items() if n in named}
     wplan = plan_weights(src, dst, specs)
     sharded = {n: named[n] for n in specs if specs[n].dim is not None}
-    with torch.no_grad():
+    # Every new shard (a shrink's receive buffers, a grow's compacted storage: resize_ reallocates) is
+    # allocated inside the weights region, so verl's release_memory_occupation frees it like the loaded ones.
+    with torch.no_grad(), compat.weights_region(self.server_args, runner):
         new_params = reshard_local(sharded, wplan, rank, _transport())
     in_place = sum(1 for n in sharded if new_params[n] is named[n])
     phase["reshard"] = time.perf_counter() - t
@@ -173,13 +204,15 @@ def pat_switch(self, dst_groups: list[list[int]], moves: list[list[Any]], path: 
     t = time.perf_counter()
     _maybe_fail("switch")
     st.groups = dst.groups
-    _rebuild(self, new_params, dst.tp_size)
+    with compat.weights_region(self.server_args, runner):
+        _rebuild(self, new_params, dst.tp_size)
     lo, hi = kv_heads_for_rank(num_kv_heads, dst.position(rank)[1], dst.tp_size)
     _reshape_kv_pool(pool, hi - lo)
     tokens = {m[0]: m[1] for m in moves}
     _reinit_attention(self)
     for rid, kv in incoming.items():
         _insert_prefix(self, pool, tokens[rid], kv)
+    phase["reseed"] = _reseed(self)
     phase["switch"] = time.perf_counter() - t
     _write(path, rank, dict(phase_s=phase, cached_tokens=cached, params_in_place=in_place, params_total=len(sharded),
                             bytes_moved=sum(t.num_heads * t.num_tokens for t in plan.transfers if not t.is_local
@@ -191,17 +224,20 @@ def pat_switch(self, dst_groups: list[list[int]], moves: list[list[Any]], path: 
 def pat_restore_base(self, path: str) -> None:
     """Rollback after a failed switch: base-layout weights from the host backup, base KV pool, empty cache."""
     st = pool_hooks.STATE
+    st.switches += 1
     runner = self.tp_worker.model_runner
     _flush(self)
     base = Layout(st.base)
-    params = {n: t.to(next(runner.model.parameters()).device, copy=True) for n, t in st.backup.items()}
-    st.groups = base.groups
-    _rebuild(self, params, base.tp_size)
+    with compat.weights_region(self.server_args, runner):  # what release frees (see pat_switch)
+        params = {n: t.to(next(runner.model.parameters()).device, copy=True) for n, t in st.backup.items()}
+        st.groups = base.groups
+        _rebuild(self, params, base.tp_size)
     num_kv_heads = ModelSpec.from_hf_config(_hf_config_dict(self)).num_kv_heads
     lo, hi = kv_heads_for_rank(num_kv_heads, base.position(st.rank)[1], base.tp_size)
     _reshape_kv_pool(_kv_pool(self), hi - lo)
     _reinit_attention(self)
-    _write(path, st.rank, dict(layout=[list(g) for g in st.groups]))
+    reseed_s = _reseed(self)  # a base replica of several ranks may have diverged in the layout left behind
+    _write(path, st.rank, dict(layout=[list(g) for g in st.groups], reseed_s=reseed_s))
 
 
 def pat_backup_base(self) -> None:
