@@ -202,14 +202,14 @@ def run_rounds(args, common: dict, spec, requests: list[Request], batch: list[Re
 def print_step_table(tps: list[int], n: int, step: dict[str, list[float]], tokens: dict[str, list]) -> bool:
     print("\ndecode step time of the uniform batch (ms per token of a request after its first chunk; median over "
           "requests, then median [min-max] over rounds)")
-    print(f"{'layout':<10}{'pool static':>22}{'stock sglang':>22}{'pool / stock':>22}{'same tokens':>13}")
+    print(f"{'layout':<10}{'pool static':>26}{'stock sglang':>26}{'pool / stock':>24}{'same tokens':>13}")
     ok = True
     for tp in tps:
         p, s = step[f"pool TP{tp}"], step[f"stock TP{tp}"]
         same = all(t == tokens[f"stock TP{tp}"][0] for t in tokens[f"pool TP{tp}"] + tokens[f"stock TP{tp}"])
         ok &= same
         ratios = [a / b for a, b in zip(p, s)]
-        print(f"{f'{n // tp}xTP{tp}':<10}{_spread(p, 1e3):>22}{_spread(s, 1e3):>22}{_spread(ratios, 1, '.3f'):>22}"
+        print(f"{f'{n // tp}xTP{tp}':<10}{_spread(p, 1e3):>26}{_spread(s, 1e3):>26}{_spread(ratios, 1, '.3f'):>24}"
               f"{str(same):>13}")
     print("(pool / stock: per-round ratios; goal <= 1.05)")
     return ok
