@@ -90,6 +90,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--kv-handoff", default="auto", choices=["auto", "migrate", "recompute"])
     ap.add_argument("--stock-overlap", action="store_true",
                     help="stock engines with SGLang's overlap scheduler (default: off, as the pool runs)")
+    ap.add_argument("--mem-fraction", type=float, default=0.15,
+                    help="GPU only: SGLang mem_fraction_static of every engine (5 share each device)")
     ap.add_argument("--repeats", type=int, default=3, help="interleaved rounds; medians and min-max are shown")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
@@ -107,8 +109,11 @@ def main(argv: list[str] | None = None) -> None:
     from pat_rollout.sglang.pool import check_model
 
     n = args.devices
+    # All engines live at once: on GPU, per device one stock TP1 engine, the stock TPN one, two static pools and
+    # the PAT pool share its memory, so each gets `--mem-fraction` of it.
+    engine_args = {} if not gpu else {"mem_fraction_static": args.mem_fraction}
     common = dict(model_path=path, num_devices=n, backend="sglang", dtype=dtype, kv_handoff=args.kv_handoff,
-                  steps_per_poll=8, profile_path=args.profile)
+                  steps_per_poll=8, profile_path=args.profile, engine_args=engine_args)
     spec = check_model(PatRolloutConfig(policy="static", initial_tp=1, **common))
     requests = trace_requests(args.trace, num_prompts=args.num_prompts, samples=args.samples,
                               max_new_tokens=args.max_new_tokens, vocab=spec.vocab_size)
@@ -140,15 +145,15 @@ def run_rounds(args, common: dict, spec, requests: list[Request], batch: list[Re
         for tp in tps:
             print(f"starting stock sglang.Engine x{n // tp} at TP{tp} ...", flush=True)
             engines = []
+            cfg = PatRolloutConfig(policy="static", initial_tp=tp, **common)
             for i in range(n // tp):
                 sgl = launch_stock_engine(common["model_path"], tp_size=tp, device=device, index=i,
-                                          dtype=common["dtype"], random_seed=0,
-                                          disable_overlap_schedule=not args.stock_overlap)
+                                          dtype=common["dtype"], random_seed=cfg.seed,
+                                          disable_overlap_schedule=not args.stock_overlap, **common["engine_args"])
                 engines.append(SGLangEngine(common["model_path"], tp_size=tp, sgl=sgl))
                 closers.append(engines[-1].shutdown)
             stock[tp] = Replicas([(e, 0) for e in engines])
             print(f"starting SglPool static {n // tp}xTP{tp} ...", flush=True)
-            cfg = PatRolloutConfig(policy="static", initial_tp=tp, **common)
             p = SglPool(cfg, spec, Layout.uniform(n, tp), device=device)
             closers.append(p.shutdown)
             pool[tp] = Replicas([(p.client, r) for r in range(n // tp)])

@@ -21,8 +21,9 @@ if TYPE_CHECKING:
 
 
 def launch_stock_engine(model_path: str, *, tp_size: int, device: str, index: int = 0, **overrides: Any):
-    """An unmodified `sglang.Engine` at `tp_size`. `index`: which of several TP1 engines on one CPU machine this
-    is; its rank is bound to core `index` (a pool's ranks are bound one core each, see launch.engine_env)."""
+    """An unmodified `sglang.Engine` at `tp_size`. `index`: which of several engines of this TP this is; on CPU a
+    TP1 engine's rank is bound to core `index` (a pool's ranks are bound one core each, see launch.engine_env), on
+    GPU its ranks start at device `index * tp_size`."""
     from sglang.srt.entrypoints.engine import Engine
 
     from pat_rollout.sglang.launch import engine_env, patched_environ, server_kwargs
@@ -30,6 +31,8 @@ def launch_stock_engine(model_path: str, *, tp_size: int, device: str, index: in
     env = engine_env(tp_size, device)
     if device == "cpu" and tp_size == 1:
         env["SGLANG_CPU_OMP_THREADS_BIND"] = str(index % (os.cpu_count() or 1))
+    elif device != "cpu":
+        overrides.setdefault("base_gpu_id", index * tp_size)
     with patched_environ(env, unset=("SGLANG_CPU_OMP_THREADS_BIND",)):
         return Engine(**server_kwargs(model_path, tp_size=tp_size, device=device, **overrides))
 
