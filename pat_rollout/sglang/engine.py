@@ -46,12 +46,38 @@ class _Tracked:
     task: asyncio.Task | None = None
 
     @property
+    def num_output_tokens(self) -> int:
+        return len(self.carried_ids) + len(self.new_ids)
+
+    @property
     def output_ids(self) -> tuple[int, ...]:
         return self.carried_ids + tuple(self.new_ids)
 
     @property
     def output_log_probs(self) -> tuple[float, ...]:
         return self.carried_log_probs + tuple(self.new_log_probs)
+
+    def add_chunk(self, chunk: dict[str, Any]) -> None:
+        """Append the tokens of one stream chunk that are new; the work is bounded by their number (copying the
+        whole output on every chunk is O(L^2) per request).
+
+        `completion_tokens` (this submission's total so far) says how many are new, and they are the tails of
+        `output_ids` and `output_token_logprobs`: with `incremental_streaming_output` (launch.server_kwargs)
+        the lists hold the tokens since the previous chunk, except SGLang's abort echo for a request aborted
+        outside a batch (`_handle_abort_req`, both versions), which re-sends the last token already streamed
+        beside the whole log-prob list; a cumulative stream's lists hold everything so far."""
+        meta = chunk["meta_info"]
+        ids, lps = chunk["output_ids"], meta["output_token_logprobs"]
+        num_new = int(meta["completion_tokens"]) - len(self.new_ids)
+        if not 0 <= num_new <= min(len(ids), len(lps)):
+            raise RuntimeError(f"request {self.request_id!r} (rid {self.rid}): SGLang stream chunk with "
+                               f"{len(ids)} token ids and {len(lps)} log-probs says completion_tokens="
+                               f"{meta['completion_tokens']} after {len(self.new_ids)} streamed tokens")
+        if num_new:
+            self.new_ids.extend(ids[len(ids) - num_new:])
+            self.new_log_probs.extend(lp for lp, _tid, _text in lps[len(lps) - num_new:])
+        if meta.get("finish_reason") is not None:
+            self.finish_reason = _FINISH_REASONS[meta["finish_reason"]["type"]]
 
     def to_output(self) -> RequestOutput:
         assert self.finish_reason is not None
@@ -137,14 +163,10 @@ class SGLangEngine(Engine):
             input_ids=list(t.prompt + t.carried_ids), sampling_params=sglang_sampling_params(t.sampling, max_new),
             return_logprob=True, stream=True, rid=t.rid)
         async for chunk in gen:
-            meta = chunk["meta_info"]
-            # Non-incremental streaming: every chunk carries all tokens generated so far by this submission.
-            t.new_ids = list(chunk["output_ids"])
-            t.new_log_probs = [lp for lp, _tid, _text in meta["output_token_logprobs"]]
-            assert len(t.new_ids) == len(t.new_log_probs), (t.request_id, len(t.new_ids), len(t.new_log_probs))
-            if meta.get("finish_reason") is not None:
-                t.finish_reason = _FINISH_REASONS[meta["finish_reason"]["type"]]
-                self.cached_tokens.setdefault(t.request_id, []).append(int(meta.get("cached_tokens", 0)))
+            t.add_chunk(chunk)
+            if t.finish_reason is not None:
+                cached = int(chunk["meta_info"].get("cached_tokens", 0))
+                self.cached_tokens.setdefault(t.request_id, []).append(cached)
 
     # ---- progress --------------------------------------------------------------------------------
     def step(self, num_steps: int = 1) -> StepResult:
@@ -183,7 +205,7 @@ class SGLangEngine(Engine):
 
     def output_lengths(self) -> dict[str, int]:
         """Tokens generated so far per unfinished request (as last streamed)."""
-        return {rid: len(t.output_ids) for rid, t in self._tracked.items()}
+        return {rid: t.num_output_tokens for rid, t in self._tracked.items()}
 
     def has_unfinished(self) -> bool:
         return bool(self._tracked)
@@ -192,7 +214,7 @@ class SGLangEngine(Engine):
         """Progress as last streamed. KV usage is an estimate (prompt + generated tokens of running
         requests; prefix sharing in SGLang's radix cache is not counted), in 1-token blocks."""
         running = tuple(RunningInfo(request_id=t.request_id, num_prompt_tokens=len(t.prompt),
-                                    num_output_tokens=len(t.output_ids), max_new_tokens=t.sampling.max_new_tokens)
+                                    num_output_tokens=t.num_output_tokens, max_new_tokens=t.sampling.max_new_tokens)
                         for t in self._tracked.values() if t.finish_reason is None)
         used = sum(r.num_prompt_tokens + r.num_output_tokens for r in running)
         return EngineSnapshot(running=running, num_waiting=0, num_free_blocks=max(0, self.max_total_num_tokens - used),

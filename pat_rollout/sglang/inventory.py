@@ -55,7 +55,7 @@ WU = "sglang.srt.model_executor.model_runner_components.weight_updater:WeightUpd
 SERVER_ARGS = ("model_path", "tp_size", "skip_tokenizer_init", "random_seed", "skip_server_warmup", "log_level",
                "device", "attention_backend", "sampling_backend", "disable_cuda_graph", "dtype", "max_total_tokens",
                "mem_fraction_static", "disable_overlap_schedule", "enable_memory_saver", "watchdog_timeout",
-               "base_gpu_id", "max_running_requests")
+               "base_gpu_id", "max_running_requests", "incremental_streaming_output")
 
 STATIC: tuple[Need, ...] = (
     # launch: the engine class and its settings

@@ -34,8 +34,10 @@ def engine_env(tp_size: int, device: str) -> dict[str, str]:
 
 def server_kwargs(model_path: str, *, tp_size: int, device: str = "cpu", **overrides: Any) -> dict[str, Any]:
     """ServerArgs for one pat_rollout replica: token ids in and out (no tokenizer), deterministic."""
+    # incremental_streaming_output: each stream chunk carries only the tokens since the previous one (SGLang's
+    # delta contract; engine._Tracked.add_chunk reads only those)
     kw: dict[str, Any] = dict(model_path=model_path, tp_size=tp_size, skip_tokenizer_init=True, random_seed=0,
-                              skip_server_warmup=True, log_level="error")
+                              skip_server_warmup=True, log_level="error", incremental_streaming_output=True)
     if device == "cpu":
         kw.update(device="cpu", attention_backend="torch_native", sampling_backend="pytorch",
                   disable_cuda_graph=True, dtype="float32", max_total_tokens=4096, mem_fraction_static=0.5)

@@ -43,6 +43,31 @@ def test_greedy_equals_hf(llama_engine, tiny_models, hf_reference):
         assert o.log_probs == pytest.approx(ref_lps, abs=LOGPROB_ATOL)
 
 
+def test_stream_chunks_carry_only_new_tokens(llama_engine, monkeypatch):
+    """launch.server_kwargs turns on SGLang's incremental streaming: the chunks of a request together hold each
+    generated token and log-prob once (a cumulative stream hands over O(L^2) items), and add up to the output."""
+    sizes: list[tuple[int, int]] = []
+    generate = llama_engine.sgl.async_generate
+
+    async def spy(*args, **kwargs):
+        gen = await generate(*args, **kwargs)
+
+        async def chunks():
+            async for c in gen:
+                sizes.append((len(c["output_ids"]), len(c["meta_info"]["output_token_logprobs"])))
+                yield c
+        return chunks()
+
+    monkeypatch.setattr(llama_engine.sgl, "async_generate", spy)
+    num_new = 3 * MAX_NEW
+    llama_engine.add_requests([Request(request_id="s0", prompt_token_ids=PROMPTS[0],
+                                       sampling=SamplingParams(max_new_tokens=num_new, ignore_eos=True))])
+    (out,) = llama_engine.run_to_completion()
+    assert len(out.token_ids) == len(out.log_probs) == num_new and out.finish_reason == "length"
+    assert len(sizes) > 1, sizes
+    assert sum(n for n, _ in sizes) == sum(n for _, n in sizes) == num_new, sizes
+
+
 def test_resubmit_prompt_plus_generated_continues_exactly(llama_engine):
     """The recompute recipe at the SGLang API level: prompt + k generated tokens with max_new_tokens - k
     reproduces the rest; logprob_start_len=len(prompt) - 1 re-scores the carried tokens under this engine."""
