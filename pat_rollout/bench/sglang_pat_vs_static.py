@@ -132,10 +132,10 @@ def run_rounds(args, common: dict, spec, requests: list[Request], batch: list[Re
     """Start every engine, warm each up, run the interleaved rounds, print both tables; True if every greedy
     output agreed (pool static vs stock at each TP on the batch; every policy vs the first on the stage)."""
     from pat_rollout.bench.sglang_stock import Replicas, launch_stock_engine
+    from pat_rollout.driver import RolloutDriver
     from pat_rollout.layout import Layout
     from pat_rollout.sglang.engine import SGLangEngine
     from pat_rollout.sglang.pool import SglPool
-    from pat_rollout.workers.driver import RolloutDriver
 
     n, tps = args.devices, sorted({1, args.devices})
     closers: list = []

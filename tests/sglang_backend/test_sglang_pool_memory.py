@@ -39,10 +39,10 @@ def _assert_in_regions(driver, when: str) -> None:
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_switch_allocations_in_memory_saver_regions_and_server_args(tiny_models, monkeypatch):
+    from pat_rollout.driver import RolloutDriver
     from pat_rollout.sglang import compat
     from pat_rollout.sglang.memory_spy import SPY_ENV
     from pat_rollout.sglang.pool import pool_engine_args
-    from pat_rollout.workers.driver import RolloutDriver
     from pat_rollout.workers.reconfigure import ReconfigurationError
 
     monkeypatch.setenv(SPY_ENV, "1")  # inherited by the scheduler processes

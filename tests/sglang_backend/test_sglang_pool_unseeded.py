@@ -38,7 +38,7 @@ def skewed_sampled(tag: str) -> list[Request]:
 @pytest.mark.parametrize("arch,handoff,seed", [("llama", "migrate", 0), ("qwen3", "recompute", 1),
                                                ("llama", "migrate", 12345)])
 def test_unseeded_sampling_tp2_ranks_agree(tiny_models, hf_reference, tmp_path, monkeypatch, arch, handoff, seed):
-    from pat_rollout.workers.driver import RolloutDriver
+    from pat_rollout.driver import RolloutDriver
 
     log_dir = tmp_path / "sampled"
     log_dir.mkdir()

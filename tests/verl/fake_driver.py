@@ -1,6 +1,6 @@
 """A stand-in with RolloutDriver's public API, backed by a HuggingFace model on CPU (no TP, no reconfiguration).
 
-Used by the verl wiring tests when the real driver (pat_rollout.workers.driver) cannot run yet; the tests
+Used by the verl wiring tests when the real driver (pat_rollout.driver) cannot run yet; the tests
 pickle this module by value into Ray actors (ray.cloudpickle.register_pickle_by_value).
 Greedy when temperature == 0; otherwise samples with a torch.Generator seeded by SamplingParams.seed.
 """

@@ -3,7 +3,7 @@ worker group), verl's load balancer + LLMServerClient route requests, verl's Age
 loop + _postprocess) turns them into a DataProto; weights are synced through our ServerAdapter.
 
 Parametrised over the driver inside the PatServer: "fake" (tests/verl/fake_driver.py, HF model, always runs),
-"real" (pat_rollout.workers.driver.RolloutDriver on the reference engine) and "sglang" (the same driver with
+"real" (pat_rollout.driver.RolloutDriver on the reference engine) and "sglang" (the same driver with
 `engine_kwargs.pat.backend=sglang`: an SglPool of real SGLang engines; runs where verl and SGLang are both
 installed, i.e. `make test-verl-sglang`, and skips elsewhere).
 """

@@ -37,8 +37,8 @@ class RecordingDriver:
         self.log_dir = log_dir
 
     def __call__(self, config):
+        from pat_rollout.driver import RolloutDriver
         from pat_rollout.sglang.debug_hooks import LOG_ENV
-        from pat_rollout.workers.driver import RolloutDriver
 
         os.environ[LOG_ENV] = self.log_dir
         return RolloutDriver(config)
