@@ -202,7 +202,7 @@ class CalibratedModel(LatencyModel):
         super().__init__(meta=base.meta, model=base.model, grids=base._grids, prefill=base._prefill,
                          kv_bandwidth=base.kv_bandwidth, kv_latency_s=base.kv_latency_s,
                          reshard_bandwidth=base.reshard_bandwidth, reshard_fixed_s=base.reshard_fixed_s,
-                         group_switch_s=base.group_switch_s)
+                         group_switch_s=base.group_switch_s, memory=base.memory)
         self.calibration = calibration
 
     def decode_step_s(self, tp: int, batch: float, context: float) -> float:

@@ -1,18 +1,21 @@
 """What to do now: stay, rebalance requests across the current replicas, or regroup to another TP (grow or
 shrink), and in which layout to start each stage. Compares the predicted remaining time of every action plus its
-overhead and acts only when the predicted saving beats a margin, with hysteresis. Estimates come from the profile
-corrected by what the pool measured (`calibration.py`). Pure stdlib, deterministic."""
+overhead and acts only when the predicted saving beats a margin, with hysteresis. Each action is scored by the
+lookahead (`lookahead.py`): the rest of the stage simulated with the engine's mechanics on the profile corrected by
+what the pool measured (`calibration.py`), with lengths drawn from the predictor. Pure stdlib, deterministic."""
 
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
 
+from pat_rollout.kv.cost import handoff_cost
 from pat_rollout.planner.calibration import Calibration, CalibrationConfig, PollSample, ReconfigSample
-from pat_rollout.planner.cost import TransitionCost, transition_cost
-from pat_rollout.planner.estimator import drain_s
+from pat_rollout.planner.cost import TransitionCost, prefers_migration, transition_cost
+from pat_rollout.planner.lookahead import EngineSpec, Lookahead, LookaheadConfig, is_cached
+from pat_rollout.planner.lookahead import build as build_lookahead
 from pat_rollout.planner.predictor import LengthPredictor, PredictorConfig
-from pat_rollout.planner.rebalance import RebalanceOption, rebalance_option
+from pat_rollout.planner.rebalance import RebalanceCost, RebalanceOption, plan_moves, rebalance_cost
 from pat_rollout.planner.state import ClusterState, Decision
 from pat_rollout.profile.model import LatencyModel
 
@@ -51,6 +54,7 @@ class PlannerConfig:
     rebalance: bool = True
     max_rebalances_per_stage: int = 2
     predictor: PredictorConfig = field(default_factory=PredictorConfig)
+    lookahead: LookaheadConfig = field(default_factory=LookaheadConfig)
 
     def __post_init__(self) -> None:
         if not self.candidate_tps or any(tp < 1 for tp in self.candidate_tps):
@@ -87,10 +91,11 @@ class Option:
 class Planner:
     """Decides reconfigurations for one pool. Per stage: `start_stage()`, feed `observe_finished` as requests
     finish, call `decide(state)` every poll. A returned Decision is assumed applied at `state.step`.
-    `can_rebalance`: the pool it plans for can move requests between replicas (pool.supports_rebalance)."""
+    `can_rebalance`: the pool it plans for can move requests between replicas (pool.supports_rebalance).
+    `engine`: the engine's scheduler rules and per-replica KV capacity (default: EngineSpec.default_for)."""
 
     def __init__(self, model: LatencyModel, config: PlannerConfig, predictor: LengthPredictor | None = None, *,
-                 can_rebalance: bool = False) -> None:
+                 can_rebalance: bool = False, engine: EngineSpec | None = None) -> None:
         missing = sorted(set(config.candidate_tps) - set(model.tps))
         if missing:
             raise ValueError(f"candidate_tps={config.candidate_tps}: tps {missing} are not in the profile "
@@ -100,6 +105,9 @@ class Planner:
         self.predictor = predictor or LengthPredictor(config.predictor)
         self.calibration = Calibration(CalibrationConfig(alpha=config.calibration_alpha, enabled=config.calibrate))
         self.can_rebalance = can_rebalance
+        self.engine = engine or EngineSpec.default_for(model, model.tps)
+        self._handoff = handoff_cost(model)
+        self._migrates_memo: dict[tuple[int, int], bool] = {}
         self.start_stage()
 
     def start_stage(self) -> None:
@@ -151,24 +159,41 @@ class Planner:
         return {r.request_id: self.predictor.predict_remaining(r.num_output_tokens, r.max_new_tokens, r.prompt_key)
                 for r in state.requests}
 
-    def evaluate(self, state: ClusterState) -> tuple[float, tuple[Option, ...]]:
-        """Predicted remaining seconds if we stay, and every candidate layout (no evaluation clock)."""
-        pred = self.predict_remaining(state)
-        remaining = [pred[r.request_id] for r in state.requests]
-        tokens = [r.num_tokens for r in state.requests]
-        reps = [r.replica for r in state.requests]
-        known = None if any(x is None for x in reps) else [int(x) for x in reps]  # type: ignore[arg-type]
+    def lookahead(self, state: ClusterState) -> Lookahead:
+        """This poll's lookahead: the requests bundled into units, each unit's final length drawn from the
+        predictor at a stratified quantile, on the calibrated profile and the engine's spec."""
+        self.predictor.set_running(r.num_output_tokens for r in state.requests)
         model = self.estimator_model()
-        now_s = drain_s(model, tp=state.tp, num_devices=state.num_devices, remaining=remaining,
-                        num_tokens=tokens, replicas=known)
+        return build_lookahead(
+            step=model, spec=self.engine, num_devices=state.num_devices, requests=state.requests,
+            draw=lambda r, q: self.predictor.sample_remaining(r.num_output_tokens, r.max_new_tokens, r.prompt_key, q),
+            config=self.config.lookahead,
+            migrates=self.migrates)
+
+    def migrates(self, num_tokens: int, tp_dst: int) -> bool:
+        """The driver's hand-off rule (planner.cost.prefers_migration with this profile), memoised: the
+        lookahead asks it for every request of every candidate layout at every poll."""
+        key = (num_tokens, tp_dst)
+        out = self._migrates_memo.get(key)
+        if out is None:
+            out = self._migrates_memo[key] = prefers_migration(self.model, tp_dst, num_tokens, self._handoff)
+        return out
+
+    def evaluate(self, state: ClusterState, la: Lookahead | None = None) -> tuple[float, tuple[Option, ...]]:
+        """Predicted remaining seconds if we stay, and every candidate layout (no evaluation clock). A regroup's
+        cost is its pause (reshard, migration of the KV the hand-off rule moves, switch); re-prefill of the
+        rest is paid inside the lookahead, through admission."""
+        la = la or self.lookahead(state)
+        model = self.estimator_model()
+        now_s = la.stay_s(state.tp)
+        tokens = [r.num_tokens for r in state.requests]
         options = []
         for tp in sorted(self.config.candidate_tps):
             if tp == state.tp or state.num_devices % tp:
                 continue
             why_not = self._why_not(state, tp)
-            remaining_s = drain_s(model, tp=tp, num_devices=state.num_devices, remaining=remaining,
-                                  num_tokens=tokens)
-            cost = self._cost(model, state.num_devices, state.tp, tp, tokens)
+            remaining_s, migrated = la.regroup_s(tp)
+            cost = self._cost(model, state.num_devices, state.tp, tp, migrated)
             back = self._cost(model, state.num_devices, tp, state.tp, tokens).total_s if tp < state.tp else 0.0
             options.append(Option(tp=tp, remaining_s=remaining_s, cost=cost, allowed=not why_not, why_not=why_not,
                                   return_s=back))
@@ -180,7 +205,8 @@ class Planner:
 
     def _cost(self, model: LatencyModel, num_devices: int, tp_src: int, tp_dst: int,
               num_tokens: list[int]) -> TransitionCost:
-        cost = transition_cost(model, num_devices=num_devices, tp_src=tp_src, tp_dst=tp_dst, num_tokens=num_tokens)
+        cost = transition_cost(model, num_devices=num_devices, tp_src=tp_src, tp_dst=tp_dst, num_tokens=num_tokens,
+                               migrates=self.migrates)
         return self.calibration.correct_cost(cost, tp_src, tp_dst)
 
     # ---- measurements and the stage's starting layout -------------------------------------------
@@ -193,20 +219,16 @@ class Planner:
         self.calibration.observe_reconfig(self.model, sample)
 
     def start_options(self, state: ClusterState) -> dict[int, tuple[float, TransitionCost]]:
-        """For every candidate TP: predicted seconds to prefill and drain the batch of `state` (requests not started,
-        replica unknown) in that layout, and the cost of switching there from `state.tp` with nothing running."""
+        """For every candidate TP: predicted seconds to dispatch, prefill and drain the batch of `state` (requests
+        not started, replica unknown) in that layout, and the cost of switching there from `state.tp` with nothing
+        running."""
         model = self.estimator_model()
-        pred = self.predict_remaining(state)
-        remaining = [pred[r.request_id] for r in state.requests]
-        tokens = [r.num_tokens for r in state.requests]
-        prompt_tokens = sum(r.num_prompt_tokens for r in state.requests)
+        la = self.lookahead(state)
         out = {}
         for tp in sorted(self.config.candidate_tps):
             if state.num_devices % tp:
                 continue
-            run_s = drain_s(model, tp=tp, num_devices=state.num_devices, remaining=remaining, num_tokens=tokens)
-            run_s += model.prefill_s(tp, -(-prompt_tokens // (state.num_devices // tp)))
-            out[tp] = (run_s, self._cost(model, state.num_devices, state.tp, tp, []))
+            out[tp] = (la.stay_s(tp), self._cost(model, state.num_devices, state.tp, tp, []))
         return out
 
     def choose_start(self, state: ClusterState) -> Decision | None:
@@ -279,12 +301,13 @@ class Planner:
         if rebalance_why_not and not any(not self._why_not(state, tp) for tp in cfg.candidate_tps
                                          if tp != state.tp and state.num_devices % tp == 0):
             return None  # nothing allowed: skip the estimate
-        now_s, options = self.evaluate(state)
+        la = self.lookahead(state)
+        now_s, options = self.evaluate(state, la)
         self.last_options = options
         allowed = [o for o in options if o.allowed]
         margin = max(cfg.min_gain_s, cfg.min_gain_ratio * now_s)
         # ---- rebalance: chosen over the best regroup only when its remaining time plus overhead is lower
-        self.last_rebalance = None if rebalance_why_not else self._rebalance_option(state)
+        self.last_rebalance = None if rebalance_why_not else self._rebalance_option(state, la)
         rb = self.last_rebalance
         if rb is not None and (not allowed or rb.total_s < min(o.total_s for o in allowed)):
             return self._rebalance_decision(state, now_s, rb, margin)
@@ -324,13 +347,22 @@ class Planner:
             return f"last action at step {last} < min_steps_between_switches={cfg.min_steps_between_switches} ago"
         return ""
 
-    def _rebalance_option(self, state: ClusterState) -> RebalanceOption | None:
-        pred = self.predict_remaining(state)
-        return rebalance_option(self.estimator_model(), tp=state.tp, num_devices=state.num_devices,
-                                request_ids=[r.request_id for r in state.requests],
-                                replicas=[int(r.replica) for r in state.requests],  # type: ignore[arg-type]
-                                remaining=[pred[r.request_id] for r in state.requests],
-                                num_tokens=[r.num_tokens for r in state.requests])
+    def _rebalance_option(self, state: ClusterState, la: Lookahead) -> RebalanceOption | None:
+        """The moves `plan_moves` proposes for the drawn remaining lengths, scored by the lookahead; its cost is
+        the pause to migrate the KV the hand-off rule moves (re-prefill is paid inside the lookahead)."""
+        moves = plan_moves([r.request_id for r in state.requests],
+                           [int(r.replica) for r in state.requests],  # type: ignore[arg-type]
+                           [la.remaining[r.request_id] for r in state.requests], state.num_replicas)
+        if not moves:
+            return None
+        remaining_s = la.rebalance_s(state.tp, moves)
+        by_id = {r.request_id: r for r in state.requests}
+        migrating = tuple(m for m in moves if is_cached(by_id[m.request_id])
+                          and la.migrates(by_id[m.request_id].num_tokens, state.tp))
+        kv_s = rebalance_cost(self.estimator_model(), tp=state.tp, moves=migrating,
+                              num_tokens={r.request_id: r.num_tokens for r in state.requests}).kv_s
+        cost = RebalanceCost(kv_s=kv_s, num_migrated=len(migrating), num_recomputed=len(moves) - len(migrating))
+        return RebalanceOption(moves=moves, remaining_s=remaining_s, cost=cost)
 
     def _rebalance_decision(self, state: ClusterState, now_s: float, rb: RebalanceOption,
                             margin: float) -> Decision | None:

@@ -222,7 +222,8 @@ class Sim:
         for i, rep in enumerate(self.replicas):
             for r in (*rep.running, *rep.waiting):
                 reqs.append(ReqProgress(request_id=r.rid, prompt_key=r.prompt_key, num_prompt_tokens=r.prompt_len,
-                                        num_output_tokens=r.g, max_new_tokens=r.max_new, replica=i))
+                                        num_output_tokens=r.g, max_new_tokens=r.max_new, replica=i,
+                                        cached=r.cached))
         reqs.sort(key=lambda p: p.request_id)
         state = ClusterState(step=self.step, num_devices=self.num_devices, tp=self.tp, requests=tuple(reqs))
         v = PollView(t=self.t, state=state, finished=tuple(self._pending), num_unfinished=self.num_unfinished,

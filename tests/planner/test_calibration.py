@@ -9,6 +9,7 @@ import pytest
 
 from pat_rollout.planner import ClusterState, Planner, PlannerConfig, ReqProgress
 from pat_rollout.planner.calibration import Calibration, PollSample, ReconfigSample, batch_bucket
+from pat_rollout.planner.lookahead import LookaheadConfig
 from pat_rollout.profile.model import LatencyModel
 
 BATCHES = (1, 2, 4, 8, 16)
@@ -37,7 +38,8 @@ def profile(tp2_scale: float = 1.0, switch_s: float = 1e-3) -> LatencyModel:
     })
 
 
-CFG = dict(candidate_tps=(1, 2), eval_every_steps=1, min_gain_s=0.0, min_steps_between_switches=0)
+CFG = dict(candidate_tps=(1, 2), eval_every_steps=1, min_gain_s=0.0, min_steps_between_switches=0,
+           lookahead=LookaheadConfig(length_grid=0.0))  # exact lengths: the predicted times below are exact
 
 
 def reqs(n: int, max_new: int, done: int = 0) -> tuple[ReqProgress, ...]:
@@ -63,7 +65,8 @@ def test_wrong_profile_steers_until_recorded_steps_correct_it() -> None:
         p.observe_poll(measured(2, 1))  # a poll of this pool at TP2 (another stage's tail)
     d = p.decide(tail(1, step=102))
     assert d is not None and d.target_tp == 2
-    assert d.predicted_remaining_target_s == pytest.approx(300 * truth_step_s(2, 1), rel=1e-6)
+    # after the regroup the request re-prefills its 16 + 100 tokens (1e6 tokens/s: recompute beats migration)
+    assert d.predicted_remaining_target_s == pytest.approx(300 * truth_step_s(2, 1) + 116 / 1e6, rel=1e-6)
     assert d.predicted_remaining_now_s == pytest.approx(300 * truth_step_s(1, 1), rel=1e-6)
 
 
