@@ -314,13 +314,23 @@ class Planner:
         # ---- regroup
         if not allowed:
             return None
-        best = min(allowed, key=lambda o: (o.total_s, o.tp))
-        saving = now_s - best.total_s
+        # a TP never measured on this pool may be as wrong as the profile proved on the measured ones: its
+        # predicted remaining time counts that much more (0 while nothing is measured or the profile is right)
+        err = self.calibration.profile_error()
+        observed = self.calibration.observed_tps()
+
+        def risk_s(o: Option) -> float:
+            return 0.0 if o.tp in observed else err * o.remaining_s
+
+        best = min(allowed, key=lambda o: (o.total_s + risk_s(o), o.tp))
+        saving = now_s - best.total_s - risk_s(best)
         if saving <= margin:
             logger.debug("step %d: stay at tp=%d (best tp=%d saves %.3fs <= margin %.3fs)", state.step, state.tp,
                          best.tp, saving, margin)
             return None
         back = f" + {best.return_s:.3f}s to grow back" if best.return_s else ""
+        if risk_s(best):
+            back += f" + {risk_s(best):.2f}s for a TP not measured here (profile off by {err:.0%})"
         reason = (f"{len(state.requests)} requests left: tp={state.tp} needs {now_s:.2f}s, tp={best.tp} needs "
                   f"{best.remaining_s:.2f}s + {best.cost.total_s:.3f}s overhead (reshard {best.cost.reshard_s:.3f}s, "
                   f"kv {best.cost.kv_s:.3f}s, switch {best.cost.switch_s:.3f}s){back}; saving {saving:.2f}s > margin "
