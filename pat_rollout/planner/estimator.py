@@ -1,4 +1,6 @@
-"""Predicted time to drain the remaining generation under a layout (tp, num_devices // tp replicas).
+"""Predicted time to drain the remaining generation under a layout (tp, num_devices // tp replicas), every request
+decoding from now on with no KV capacity, admission or prefill: a quick closed form (rebalance_option uses it); the
+planner scores its actions with lookahead.py, which runs the engine's mechanics.
 Pure stdlib. Integrates decode-step latency piecewise: a replica's batch only changes when one of its requests
 finishes, so each stretch between finishes is one chunk (split so the mean context stays near the midpoint)."""
 
