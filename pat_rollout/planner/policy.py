@@ -314,13 +314,15 @@ class Planner:
         # ---- regroup
         if not allowed:
             return None
-        # a TP never measured on this pool may be as wrong as the profile proved on the measured ones: its
-        # predicted remaining time counts that much more (0 while nothing is measured or the profile is right)
+        # growing into a TP never measured on this pool: it may be as wrong as the profile proved on the measured
+        # ones (a profile's error grows with TP: all-reduce latency, efficiency under load), so its predicted
+        # remaining time counts that much more (0 while nothing is measured or the profile is right). A shrink
+        # carries no such risk: smaller TPs are where profiles are surest, and a wrong start must be leavable.
         err = self.calibration.profile_error()
         observed = self.calibration.observed_tps()
 
         def risk_s(o: Option) -> float:
-            return 0.0 if o.tp in observed else err * o.remaining_s
+            return 0.0 if o.tp in observed or o.tp < state.tp else err * o.remaining_s
 
         best = min(allowed, key=lambda o: (o.total_s + risk_s(o), o.tp))
         saving = now_s - best.total_s - risk_s(best)
