@@ -1,7 +1,10 @@
 """How long one `Planner.decide()` takes: 1024 requests on 8 devices, 4 candidate TPs, every call a full
 evaluation (eval_every_steps=1, switches never allowed to end the run: each call scores stay and every regroup).
 
-    python -m pat_rollout.bench.planner_speed [--requests 1024] [--calls 50] [--tp 2]
+    python -m pat_rollout.bench.planner_speed [--requests 1024] [--calls 50] [--tp 2] [--estimator lookahead]
+
+--estimator picks PlannerConfig.estimator: "lookahead" (default here: the estimator with a speed target, issue
+#24) or "drain" (the planner's default).
 
 States are mid-stage polls of a GRPO batch (groups of 8, history from earlier iterations, requests spread over
 the replicas as dispatched, a spread of generated tokens). Prints wall time and the thread's CPU time: on a shared
@@ -17,6 +20,7 @@ import statistics
 import time
 
 from pat_rollout.planner import ClusterState, Planner, PlannerConfig, ReqProgress
+from pat_rollout.planner.policy import ESTIMATORS
 from pat_rollout.profile.model import LatencyModel
 
 
@@ -38,9 +42,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--calls", type=int, default=50)
     ap.add_argument("--profile", default="h100_llama31_8b")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--estimator", choices=ESTIMATORS, default="lookahead")
     args = ap.parse_args(argv)
     model = LatencyModel.from_json(args.profile)
-    cfg = PlannerConfig(candidate_tps=(1, 2, 4, 8), eval_every_steps=1, min_gain_s=1e9)  # score, never switch
+    cfg = PlannerConfig(candidate_tps=(1, 2, 4, 8), eval_every_steps=1, min_gain_s=1e9,  # score, never switch
+                        estimator=args.estimator)
     planner = Planner(model, cfg)
     rng = random.Random(args.seed)
     for p in range(args.requests // 8 + 1):
@@ -60,7 +66,7 @@ def main(argv: list[str] | None = None) -> None:
         p99 = xs[min(len(xs) - 1, round(0.99 * (len(xs) - 1)))]
         return f"median {statistics.median(xs) * 1e3:.1f} ms, p99 {p99 * 1e3:.1f} ms"
 
-    print(f"decide(): {args.requests} requests, {args.num_devices} devices at tp={args.tp}, candidate TPs "
+    print(f"decide() [{args.estimator}]: {args.requests} requests, {args.num_devices} devices at tp={args.tp}, candidate TPs "
           f"{cfg.candidate_tps}, {args.calls} calls: wall {stats(wall)}; thread CPU {stats(cpu)} (load average "
           f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs: wall times above CPU time are waits for a core)")
 

@@ -1,7 +1,7 @@
-"""The PAT planner: predicts remaining response lengths, estimates the rest of the stage under each action with a
-lookahead that runs the engine's mechanics (engine_model, shared with the simulator) on its calibrated profile,
-and decides whether to stay, rebalance requests across replicas or regroup to another TP (saving > overhead, with
-hysteresis).
+"""The PAT planner: predicts remaining response lengths, estimates the rest of the stage under each action from its
+calibrated profile (by default the closed-form drain estimate; with PlannerConfig.estimator="lookahead", a
+lookahead that runs the engine's mechanics, engine_model, shared with the simulator), and decides whether to stay,
+rebalance requests across replicas or regroup to another TP (saving > overhead, with hysteresis).
 
 Pure: imports only the stdlib, pat_rollout.types and pat_rollout.profile.model (no torch, ray or sglang).
 """

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pat_rollout.planner.balance import assign_new, balance
 from pat_rollout.planner.capacity import MemorySpec, replica_kv_tokens
 from pat_rollout.planner.engine_model import EngineReplica, EngineReq, SchedulerModel, StepModel
-from pat_rollout.planner.rebalance import Move
+from pat_rollout.planner.rebalance import Move, RebalanceCost, RebalanceOption, plan_moves, rebalance_cost
 from pat_rollout.planner.state import ReqProgress
 from pat_rollout.profile.model import LatencyModel
 
@@ -228,6 +228,23 @@ class Lookahead:
         for p in sorted((p for p in self.requests if p.request_id in dst), key=lambda p: p.request_id):
             per[dst[p.request_id]].append((p, is_cached(p) and self.migrates(p.num_tokens, tp)))
         return self._drain([self.replica(tp, items) for items in per])
+
+    def rebalance_option(self, tp: int, model: LatencyModel) -> RebalanceOption | None:
+        """The moves `plan_moves` proposes for the drawn remaining lengths (every request on a known replica of
+        the current layout `tp`), scored by `rebalance_s`; its cost is the pause to migrate the KV the hand-off
+        rule moves on `model` (re-prefill is paid inside the lookahead)."""
+        reqs = self.requests
+        moves = plan_moves([r.request_id for r in reqs], [int(r.replica) for r in reqs],  # type: ignore[arg-type]
+                           [self.remaining[r.request_id] for r in reqs], self.num_devices // tp)
+        if not moves:
+            return None
+        remaining_s = self.rebalance_s(tp, moves)
+        by_id = {r.request_id: r for r in reqs}
+        migrating = tuple(m for m in moves if is_cached(by_id[m.request_id])
+                          and self.migrates(by_id[m.request_id].num_tokens, tp))
+        kv_s = rebalance_cost(model, tp=tp, moves=migrating, num_tokens={r.request_id: r.num_tokens for r in reqs}).kv_s
+        cost = RebalanceCost(kv_s=kv_s, num_migrated=len(migrating), num_recomputed=len(moves) - len(migrating))
+        return RebalanceOption(moves=moves, remaining_s=remaining_s, cost=cost)
 
 
 def build(*, step: StepModel, spec: EngineSpec, num_devices: int, requests: Sequence[ReqProgress],

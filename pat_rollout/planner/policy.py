@@ -1,8 +1,12 @@
 """What to do now: stay, rebalance requests across the current replicas, or regroup to another TP (grow or
 shrink), and in which layout to start each stage. Compares the predicted remaining time of every action plus its
-overhead and acts only when the predicted saving beats a margin, with hysteresis. Each action is scored by the
-lookahead (`lookahead.py`): the rest of the stage simulated with the engine's mechanics on the profile corrected by
-what the pool measured (`calibration.py`), with lengths drawn from the predictor. Pure stdlib, deterministic."""
+overhead and acts only when the predicted saving beats a margin, with hysteresis. Estimates come from the profile
+corrected by what the pool measured (`calibration.py`), by one of two estimators (`PlannerConfig.estimator`):
+- "drain" (default): the closed-form drain (`estimator.py`), every request decoding from now on at its predicted
+  mean length, no KV capacity, admission or prefill; cheap enough to run synchronously every poll.
+- "lookahead": the rest of the stage simulated with the engine's mechanics (`lookahead.py`), lengths drawn from
+  the predictor's distribution; closer to the engine where KV capacity binds, but tens of ms per decide().
+Pure stdlib, deterministic."""
 
 from __future__ import annotations
 
@@ -12,14 +16,17 @@ from dataclasses import dataclass, field
 from pat_rollout.kv.cost import handoff_cost
 from pat_rollout.planner.calibration import Calibration, CalibrationConfig, PollSample, ReconfigSample
 from pat_rollout.planner.cost import TransitionCost, prefers_migration, transition_cost
-from pat_rollout.planner.lookahead import EngineSpec, Lookahead, LookaheadConfig, is_cached
+from pat_rollout.planner.estimator import drain_s, start_drain_s
+from pat_rollout.planner.lookahead import EngineSpec, Lookahead, LookaheadConfig
 from pat_rollout.planner.lookahead import build as build_lookahead
 from pat_rollout.planner.predictor import LengthPredictor, PredictorConfig
-from pat_rollout.planner.rebalance import RebalanceCost, RebalanceOption, plan_moves, rebalance_cost
+from pat_rollout.planner.rebalance import RebalanceOption, rebalance_option
 from pat_rollout.planner.state import ClusterState, Decision
 from pat_rollout.profile.model import LatencyModel
 
 logger = logging.getLogger(__name__)
+
+ESTIMATORS = ("drain", "lookahead")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -37,7 +44,10 @@ class PlannerConfig:
     - calibrate / calibration_alpha: correct the profile from measured polls and switches (EWMA weight).
     - rebalance: also consider moving requests between the current replicas (where the pool can).
     - max_rebalances_per_stage: hard cap on rebalances per stage; min_steps_between_switches also spaces
-      rebalances from any earlier action."""
+      rebalances from any earlier action.
+    - estimator: how actions are scored (module doc): "drain" (default) or "lookahead" (tuned by `lookahead`).
+      Off by default: the driver calls decide() synchronously every poll, so the lookahead's tens of ms per call
+      (bench.planner_speed: 1024 requests, 8 devices) land in the stage time."""
 
     candidate_tps: tuple[int, ...]
     eval_every_steps: int = 64
@@ -55,8 +65,11 @@ class PlannerConfig:
     max_rebalances_per_stage: int = 2
     predictor: PredictorConfig = field(default_factory=PredictorConfig)
     lookahead: LookaheadConfig = field(default_factory=LookaheadConfig)
+    estimator: str = "drain"
 
     def __post_init__(self) -> None:
+        if self.estimator not in ESTIMATORS:
+            raise ValueError(f"estimator={self.estimator!r} must be one of {ESTIMATORS}")
         if not self.candidate_tps or any(tp < 1 for tp in self.candidate_tps):
             raise ValueError(f"candidate_tps={self.candidate_tps} must be a non-empty tuple of positive ints")
         if len(set(self.candidate_tps)) != len(self.candidate_tps):
@@ -92,7 +105,8 @@ class Planner:
     """Decides reconfigurations for one pool. Per stage: `start_stage()`, feed `observe_finished` as requests
     finish, call `decide(state)` every poll. A returned Decision is assumed applied at `state.step`.
     `can_rebalance`: the pool it plans for can move requests between replicas (pool.supports_rebalance).
-    `engine`: the engine's scheduler rules and per-replica KV capacity (default: EngineSpec.default_for)."""
+    `engine`: the engine's scheduler rules and per-replica KV capacity, read by the lookahead estimator only
+    (default: EngineSpec.default_for)."""
 
     def __init__(self, model: LatencyModel, config: PlannerConfig, predictor: LengthPredictor | None = None, *,
                  can_rebalance: bool = False, engine: EngineSpec | None = None) -> None:
@@ -105,7 +119,10 @@ class Planner:
         self.predictor = predictor or LengthPredictor(config.predictor)
         self.calibration = Calibration(CalibrationConfig(alpha=config.calibration_alpha, enabled=config.calibrate))
         self.can_rebalance = can_rebalance
-        self.engine = engine or EngineSpec.default_for(model, model.tps)
+        self.uses_lookahead = config.estimator == "lookahead"
+        if engine is None and self.uses_lookahead:
+            engine = EngineSpec.default_for(model, model.tps)
+        self.engine = engine
         self._handoff = handoff_cost(model)
         self._migrates_memo: dict[tuple[int, int], bool] = {}
         self.start_stage()
@@ -164,8 +181,9 @@ class Planner:
         predictor at a stratified quantile, on the calibrated profile and the engine's spec."""
         self.predictor.set_running(r.num_output_tokens for r in state.requests)
         model = self.estimator_model()
+        spec = self.engine or EngineSpec.default_for(self.model, self.model.tps)
         return build_lookahead(
-            step=model, spec=self.engine, num_devices=state.num_devices, requests=state.requests,
+            step=model, spec=spec, num_devices=state.num_devices, requests=state.requests,
             draw=lambda r, q: self.predictor.sample_remaining(r.num_output_tokens, r.max_new_tokens, r.prompt_key, q),
             config=self.config.lookahead,
             migrates=self.migrates)
@@ -180,20 +198,34 @@ class Planner:
         return out
 
     def evaluate(self, state: ClusterState, la: Lookahead | None = None) -> tuple[float, tuple[Option, ...]]:
-        """Predicted remaining seconds if we stay, and every candidate layout (no evaluation clock). A regroup's
-        cost is its pause (reshard, migration of the KV the hand-off rule moves, switch); re-prefill of the
-        rest is paid inside the lookahead, through admission."""
-        la = la or self.lookahead(state)
+        """Predicted remaining seconds if we stay, and every candidate layout (no evaluation clock).
+        drain: a regroup's cost charges every request's context to the hand-off (migrated or recomputed).
+        lookahead: its cost is the pause (reshard, migration of the KV the hand-off rule moves, switch);
+        re-prefill of the rest is paid inside the lookahead, through admission."""
         model = self.estimator_model()
-        now_s = la.stay_s(state.tp)
         tokens = [r.num_tokens for r in state.requests]
+        if self.uses_lookahead:
+            la = la or self.lookahead(state)
+            now_s = la.stay_s(state.tp)
+            regroup_s = la.regroup_s  # (remaining seconds, tokens of the requests whose KV the hand-off migrates)
+        else:
+            pred = self.predict_remaining(state)
+            remaining = [pred[r.request_id] for r in state.requests]
+            reps = [r.replica for r in state.requests]
+            known = None if any(x is None for x in reps) else [int(x) for x in reps]  # type: ignore[arg-type]
+            now_s = drain_s(model, tp=state.tp, num_devices=state.num_devices, remaining=remaining,
+                            num_tokens=tokens, replicas=known)
+
+            def regroup_s(tp: int) -> tuple[float, list[int]]:
+                return drain_s(model, tp=tp, num_devices=state.num_devices, remaining=remaining,
+                               num_tokens=tokens), tokens
         options = []
         for tp in sorted(self.config.candidate_tps):
             if tp == state.tp or state.num_devices % tp:
                 continue
             why_not = self._why_not(state, tp)
-            remaining_s, migrated = la.regroup_s(tp)
-            cost = self._cost(model, state.num_devices, state.tp, tp, migrated)
+            remaining_s, handed_off = regroup_s(tp)
+            cost = self._cost(model, state.num_devices, state.tp, tp, handed_off)
             back = self._cost(model, state.num_devices, tp, state.tp, tokens).total_s if tp < state.tp else 0.0
             options.append(Option(tp=tp, remaining_s=remaining_s, cost=cost, allowed=not why_not, why_not=why_not,
                                   return_s=back))
@@ -206,7 +238,7 @@ class Planner:
     def _cost(self, model: LatencyModel, num_devices: int, tp_src: int, tp_dst: int,
               num_tokens: list[int]) -> TransitionCost:
         cost = transition_cost(model, num_devices=num_devices, tp_src=tp_src, tp_dst=tp_dst, num_tokens=num_tokens,
-                               migrates=self.migrates)
+                               migrates=self.migrates if self.uses_lookahead else None)
         return self.calibration.correct_cost(cost, tp_src, tp_dst)
 
     # ---- measurements and the stage's starting layout -------------------------------------------
@@ -223,12 +255,22 @@ class Planner:
         not started, replica unknown) in that layout, and the cost of switching there from `state.tp` with nothing
         running."""
         model = self.estimator_model()
-        la = self.lookahead(state)
+        if self.uses_lookahead:
+            run_s = self.lookahead(state).stay_s
+        else:
+            pred = self.predict_remaining(state)
+            remaining = [pred[r.request_id] for r in state.requests]
+            tokens = [r.num_tokens for r in state.requests]
+            prompt_tokens = sum(r.num_prompt_tokens for r in state.requests)
+
+            def run_s(tp: int) -> float:
+                return start_drain_s(model, tp=tp, num_devices=state.num_devices, remaining=remaining,
+                                     num_tokens=tokens, prompt_tokens=prompt_tokens)
         out = {}
         for tp in sorted(self.config.candidate_tps):
             if state.num_devices % tp:
                 continue
-            out[tp] = (la.stay_s(tp), self._cost(model, state.num_devices, state.tp, tp, []))
+            out[tp] = (run_s(tp), self._cost(model, state.num_devices, state.tp, tp, []))
         return out
 
     def choose_start(self, state: ClusterState) -> Decision | None:
@@ -301,7 +343,7 @@ class Planner:
         if rebalance_why_not and not any(not self._why_not(state, tp) for tp in cfg.candidate_tps
                                          if tp != state.tp and state.num_devices % tp == 0):
             return None  # nothing allowed: skip the estimate
-        la = self.lookahead(state)
+        la = self.lookahead(state) if self.uses_lookahead else None
         now_s, options = self.evaluate(state, la)
         self.last_options = options
         allowed = [o for o in options if o.allowed]
@@ -318,7 +360,8 @@ class Planner:
         # ones (a profile's error grows with TP: all-reduce latency, efficiency under load), so its predicted
         # remaining time counts that much more (0 while nothing is measured or the profile is right). A shrink
         # carries no such risk: smaller TPs are where profiles are surest, and a wrong start must be leavable.
-        err = self.calibration.profile_error()
+        # Lookahead only: measured with it (sim_policies, h100/llama low variant); the drain path stays as it was.
+        err = self.calibration.profile_error() if self.uses_lookahead else 0.0
         observed = self.calibration.observed_tps()
 
         def risk_s(o: Option) -> float:
@@ -359,22 +402,17 @@ class Planner:
             return f"last action at step {last} < min_steps_between_switches={cfg.min_steps_between_switches} ago"
         return ""
 
-    def _rebalance_option(self, state: ClusterState, la: Lookahead) -> RebalanceOption | None:
-        """The moves `plan_moves` proposes for the drawn remaining lengths, scored by the lookahead; its cost is
-        the pause to migrate the KV the hand-off rule moves (re-prefill is paid inside the lookahead)."""
-        moves = plan_moves([r.request_id for r in state.requests],
-                           [int(r.replica) for r in state.requests],  # type: ignore[arg-type]
-                           [la.remaining[r.request_id] for r in state.requests], state.num_replicas)
-        if not moves:
-            return None
-        remaining_s = la.rebalance_s(state.tp, moves)
-        by_id = {r.request_id: r for r in state.requests}
-        migrating = tuple(m for m in moves if is_cached(by_id[m.request_id])
-                          and la.migrates(by_id[m.request_id].num_tokens, state.tp))
-        kv_s = rebalance_cost(self.estimator_model(), tp=state.tp, moves=migrating,
-                              num_tokens={r.request_id: r.num_tokens for r in state.requests}).kv_s
-        cost = RebalanceCost(kv_s=kv_s, num_migrated=len(migrating), num_recomputed=len(moves) - len(migrating))
-        return RebalanceOption(moves=moves, remaining_s=remaining_s, cost=cost)
+    def _rebalance_option(self, state: ClusterState, la: Lookahead | None) -> RebalanceOption | None:
+        """The moves planner.rebalance proposes, scored by the drain estimate on the predicted means (`la` None)
+        or by the lookahead (Lookahead.rebalance_option)."""
+        if la is not None:
+            return la.rebalance_option(state.tp, self.estimator_model())
+        pred = self.predict_remaining(state)
+        return rebalance_option(self.estimator_model(), tp=state.tp, num_devices=state.num_devices,
+                                request_ids=[r.request_id for r in state.requests],
+                                replicas=[int(r.replica) for r in state.requests],  # type: ignore[arg-type]
+                                remaining=[pred[r.request_id] for r in state.requests],
+                                num_tokens=[r.num_tokens for r in state.requests])
 
     def _rebalance_decision(self, state: ClusterState, now_s: float, rb: RebalanceOption,
                             margin: float) -> Decision | None:
