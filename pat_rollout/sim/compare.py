@@ -7,6 +7,7 @@ bracket is true) scaled by (1 + planner_error). The planner predicts lengths wit
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from pat_rollout.kv.cost import handoff_cost
@@ -59,14 +60,19 @@ def engine_spec(hw: SimHardware) -> EngineSpec:
 
 def compare(hw: SimHardware, planner_model: LatencyModel, trace: Trace, *, num_devices: int,
             planner_config: PlannerConfig, initial_tp: int = 1, verl_tp: int = VERL_DEFAULT_TP,
-            with_oracle: bool = True) -> Comparison:
-    """static-tp<x> for each candidate tp that divides num_devices, pat, and the oracle."""
+            with_oracle: bool = True, with_lookahead: bool = False) -> Comparison:
+    """static-tp<x> for each candidate tp that divides num_devices, pat (planner_config as given), with_lookahead:
+    pat-lookahead (the same config with estimator="lookahead"), and the oracle."""
     tps = sorted(tp for tp in planner_config.candidate_tps if num_devices % tp == 0)
     handoff = handoff_cost(planner_model)
     out = [run_policy(hw, trace, StaticPolicy(tp), num_devices=num_devices) for tp in tps]
-    planner = Planner(planner_model, planner_config, engine=engine_spec(hw))
-    out.append(run_policy(hw, trace, PlannerPolicy(planner, initial_tp, trace), num_devices=num_devices,
-                          handoff=handoff))
+    pats = [("pat", planner_config)]
+    if with_lookahead:
+        pats.append(("pat-lookahead", dataclasses.replace(planner_config, estimator="lookahead")))
+    for name, cfg in pats:
+        planner = Planner(planner_model, cfg, engine=engine_spec(hw))
+        out.append(run_policy(hw, trace, PlannerPolicy(planner, initial_tp, trace, name=name),
+                              num_devices=num_devices, handoff=handoff))
     if with_oracle:
         out.append(oracle(hw, trace, num_devices=num_devices, tps=tps, handoff=handoff))
     return Comparison(results=tuple(out), verl_tp=verl_tp)
