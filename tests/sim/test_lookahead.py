@@ -1,7 +1,8 @@
-"""The planner's lookahead against the simulator's truth on a capacity-bound stage (TP1 preempts), and PAT against
-the oracle there. The lookahead runs the same engine mechanics (planner/engine_model.py) on the planner's profile
-(the central published-figure profile; the truth is the central formula), so fed the true lengths it must agree with
-the simulator; the remaining error is the profile's grid, the bundling of requests into units and the chunking."""
+"""The planner's lookahead against the simulator's truth on a capacity-bound stage (TP1 preempts), and PAT with
+the lookahead estimator (PlannerConfig.estimator="lookahead") against the oracle there. The lookahead runs the same
+engine mechanics (planner/engine_model.py) on the planner's profile (the central published-figure profile; the truth
+is the central formula), so fed the true lengths it must agree with the simulator; the remaining error is the
+profile's grid, the bundling of requests into units and the chunking."""
 
 from __future__ import annotations
 
@@ -67,7 +68,8 @@ def test_lookahead_agrees_with_the_simulator_within_5_percent(setup) -> None:
 
 def test_pat_within_2_percent_of_the_oracle_on_a_capacity_bound_stage(setup) -> None:
     hw, prof, trace = setup
-    cmp = compare(hw, prof, trace, num_devices=8, planner_config=PlannerConfig(candidate_tps=TPS))
+    cmp = compare(hw, prof, trace, num_devices=8,
+                  planner_config=PlannerConfig(candidate_tps=TPS, estimator="lookahead"))
     by = cmp.by()
     statics = [r for r in cmp.results if r.policy.startswith("static")]
     assert by["oracle"].latency_s <= min(r.latency_s for r in statics) + 1e-9
