@@ -20,7 +20,7 @@ import statistics
 import time
 
 from pat_rollout.planner import ClusterState, Planner, PlannerConfig, ReqProgress
-from pat_rollout.planner.policy import ESTIMATORS
+from pat_rollout.planner.config import ESTIMATORS
 from pat_rollout.profile.model import LatencyModel
 
 
