@@ -10,7 +10,9 @@ import pytest
 
 @pytest.mark.parametrize("module", ["pat_rollout.planner", "pat_rollout.sim", "pat_rollout.profile.model",
                                     "pat_rollout.profile", "pat_rollout.layout",
-                                    "pat_rollout.planner.capacity", "pat_rollout.profile.published",
+                                    "pat_rollout.planner.capacity", "pat_rollout.planner.config",
+                                    "pat_rollout.planner.engine_model", "pat_rollout.planner.lookahead",
+                                    "pat_rollout.profile.published",
                                     "pat_rollout.sim.compare", "pat_rollout.sim.lengths",
                                     "pat_rollout.bench.sim_validate_report"])
 def test_pure_modules_import_no_heavy_deps(module: str) -> None:

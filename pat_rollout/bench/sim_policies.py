@@ -7,12 +7,16 @@ Traces: DeepScaleR-like at 8k / 16k / 24k caps, verl-like (16k cap), and a user'
 shipped example pat_rollout/sim/data/example_lengths.csv, last step). verl's default TP is 2 for both models:
 it is verl's rollout.tensor_model_parallel_size default and its 7-8B GRPO examples' setting; verl ships no
 Qwen3-14B example, and TP2 leaves KV room at 0.6 x 80 GB for 14B weights. The planner reads the central
-variant's profile whatever the truth is.
+variant's profile whatever the truth is. The oracle is the search of sim.policies.oracle (any start, grow and
+shrink, up to 3 switches, refined on a fine grid of switch points); a row where PAT beats it is flagged PAT<ORACLE.
+PAT is the planner as configured by default (PlannerConfig.estimator="drain"); the "la" columns run the same
+planner with estimator="lookahead" (--no-lookahead skips them), flagged LA<ORACLE where it beats the oracle.
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import time
 from pathlib import Path
 
@@ -43,14 +47,19 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--num-devices", type=int, default=8)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-oracle", action="store_true")
+    ap.add_argument("--no-lookahead", action="store_true", help="skip the PAT lookahead columns")
     args = ap.parse_args(argv)
     cfg = PlannerConfig(candidate_tps=(1, 2, 4, 8))
     t_all = time.perf_counter()
     trs = traces(args.lengths, args.seed)
     print("SIMULATED (published-figure profiles, see README 'Performance: measured and simulated'); "
           f"{args.num_devices} GPUs, mem fraction 0.6, GRPO groups of 8; ratios < 1: PAT faster")
+    la = not args.no_lookahead
     hdr = (f"{'model':<10} {'gpu':<4} {'variant':<7} {'trace':<16} {'mean':>5} {'best static':>13} {'verl tp2':>8} "
-           f"{'pat_s':>7} {'oracle':>7} {'pat/best':>8} {'pat/verl':>8} {'pat/orc':>7} {'tail%':>5}  pat layouts")
+           f"{'pat_s':>7} {'oracle':>7} {'pat/best':>8} {'pat/verl':>8} {'pat/orc':>7} {'tail%':>5}"
+           + (f" {'la/best':>7} {'la/orc':>7}" if la else "") + "  pat layouts" + (" | la layouts" if la else ""))
+    ratios: dict[str, list[float]] = {k: [] for k in ("PAT / best static", "PAT / oracle", "PAT lookahead / best static",
+                                                      "PAT lookahead / oracle")}
     for model in args.models.split(","):
         for gpu in args.gpus.split(","):
             print("\n" + hdr)
@@ -58,16 +67,39 @@ def main(argv: list[str] | None = None) -> None:
                 hw, planner_model = gpu_setup(gpu, model, variant)
                 for name, trace in trs:
                     cmp = compare(hw, planner_model, trace, num_devices=args.num_devices, planner_config=cfg,
-                                  with_oracle=not args.no_oracle)
-                    by, best, q = cmp.by(), cmp.best_static(), cmp.ratios() if not args.no_oracle else None
+                                  with_oracle=not args.no_oracle, with_lookahead=la)
+                    by, best = cmp.by(), cmp.best_static()
                     pat = by["pat"]
-                    orc = f"{by['oracle'].latency_s:>7.1f}" if "oracle" in by else f"{'-':>7}"
-                    po = f"{q['pat_vs_oracle']:>7.3f}" if q else f"{'-':>7}"
+                    orc_s = by["oracle"].latency_s if "oracle" in by else None
+                    orc = f"{orc_s:>7.1f}" if orc_s else f"{'-':>7}"
                     verl = by["static-tp2"].latency_s
+                    flag, cols = "", {}
+                    for label, key in (("PAT", "pat"), ("PAT lookahead", "pat-lookahead")):
+                        if key not in by:
+                            continue
+                        rb = by[key].latency_s / best.latency_s
+                        ro = by[key].latency_s / orc_s if orc_s else None
+                        ratios[f"{label} / best static"].append(rb)
+                        cols[key] = f"{rb:>{8 if key == 'pat' else 7}.3f} "
+                        if ro is None:
+                            cols[key + "/orc"] = f"{'-':>7}"
+                            continue
+                        ratios[f"{label} / oracle"].append(ro)
+                        cols[key + "/orc"] = f"{ro:>7.3f}"
+                        # the oracle is a search, not a bound: a policy below it says the search missed a schedule
+                        if ro < 1.0 - 1e-9:
+                            flag += "  PAT<ORACLE" if key == "pat" else "  LA<ORACLE"
+                    la_cols = f" {cols['pat-lookahead']}{cols['pat-lookahead/orc']}" if la else ""
+                    la_layouts = f" | {by['pat-lookahead'].layouts_str()}" if la else ""
                     print(f"{model:<10} {gpu:<4} {variant:<7} {name:<16} {trace.stats()['mean']:>5.0f} "
                           f"{best.policy[7:] + f' {best.latency_s:.1f}':>13} {verl:>8.1f} {pat.latency_s:>7.1f} "
-                          f"{orc} {pat.latency_s / best.latency_s:>8.3f} {pat.latency_s / verl:>8.3f} {po} "
-                          f"{pat.tail_share * 100:>5.1f}  {pat.layouts_str()}", flush=True)
+                          f"{orc} {cols['pat']}{pat.latency_s / verl:>8.3f} {cols['pat/orc']} "
+                          f"{pat.tail_share * 100:>5.1f}{la_cols}  {pat.layouts_str()}{la_layouts}{flag}", flush=True)
+    print()
+    for label, xs in ratios.items():
+        if xs:
+            print(f"{label}: {len(xs)} rows, median {statistics.median(xs):.3f}, worst {max(xs):.3f}, best "
+                  f"{min(xs):.3f}, within 2%: {sum(x <= 1.02 for x in xs)}, below 1: {sum(x < 1.0 for x in xs)}")
     print(f"\n(simulated in {time.perf_counter() - t_all:.0f}s; tail% = share of PAT's stage after 90% of responses "
           "finished)")
 

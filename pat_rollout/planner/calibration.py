@@ -134,6 +134,17 @@ class Calibration:
         """TP sizes with at least one decode poll measured."""
         return frozenset(self._num_polls)
 
+    def profile_error(self) -> float:
+        """How wrong the profile has proven on this pool: the largest |factor - 1| over the measured TPs (each TP's
+        factor the geometric mean over its batch buckets); 0 with nothing measured or calibration disabled. A TP
+        never measured may be off by as much: the planner asks that much more of a switch there."""
+        if not self.config.enabled or not self._log_factor:
+            return 0.0
+        per_tp: dict[int, list[float]] = {}
+        for (t, _), v in self._log_factor.items():
+            per_tp.setdefault(t, []).append(v)
+        return max(abs(math.exp(sum(v) / len(v)) - 1.0) for v in per_tp.values())
+
     def decode_factor(self, tp: int, batch: float) -> float:
         """Measured / profile decode-step time expected at (tp, batch); 1 with nothing measured or disabled."""
         if not self.config.enabled or not self._log_factor:
@@ -202,7 +213,7 @@ class CalibratedModel(LatencyModel):
         super().__init__(meta=base.meta, model=base.model, grids=base._grids, prefill=base._prefill,
                          kv_bandwidth=base.kv_bandwidth, kv_latency_s=base.kv_latency_s,
                          reshard_bandwidth=base.reshard_bandwidth, reshard_fixed_s=base.reshard_fixed_s,
-                         group_switch_s=base.group_switch_s)
+                         group_switch_s=base.group_switch_s, memory=base.memory)
         self.calibration = calibration
 
     def decode_step_s(self, tp: int, batch: float, context: float) -> float:

@@ -10,7 +10,7 @@ Charged serially (conservative, no overlap): weight reshard + KV handoff + group
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from pat_rollout.kv.cost import HandoffCost, handoff_cost
@@ -41,9 +41,10 @@ def prefers_migration(model: LatencyModel, tp_dst: int, num_tokens: int, cost: H
 
 
 def transition_cost(model: LatencyModel, *, num_devices: int, tp_src: int, tp_dst: int,
-                    num_tokens: Sequence[int]) -> TransitionCost:
+                    num_tokens: Sequence[int], migrates: Callable[[int, int], bool] | None = None) -> TransitionCost:
     """Cost of switching num_devices devices from tp_src to tp_dst with running requests of `num_tokens` tokens
-    (prompt + generated) each. Zero when tp_src == tp_dst."""
+    (prompt + generated) each. Zero when tp_src == tp_dst. `migrates(num_tokens, tp_dst)`: the hand-off rule
+    (default `prefers_migration`; a caller scoring many layouts passes a memoised copy of it)."""
     if tp_src == tp_dst:
         return TransitionCost(reshard_s=0.0, kv_s=0.0, switch_s=0.0, num_migrated=0, num_recomputed=0)
     w = model.model.param_bytes
@@ -52,9 +53,13 @@ def transition_cost(model: LatencyModel, *, num_devices: int, tp_src: int, tp_ds
     mig_bytes = 0
     recompute_tokens = 0
     num_migrated = 0
-    handoff = handoff_cost(model)
+    if migrates is None:
+        handoff = handoff_cost(model)
+
+        def migrates(n: int, tp: int) -> bool:
+            return prefers_migration(model, tp, n, handoff)
     for n in num_tokens:
-        if prefers_migration(model, tp_dst, n, handoff):
+        if migrates(n, tp_dst):
             mig_bytes += n * kv_per_token
             num_migrated += 1
         else:

@@ -1,4 +1,6 @@
-"""Predicted time to drain the remaining generation under a layout (tp, num_devices // tp replicas).
+"""Predicted time to drain the remaining generation under a layout (tp, num_devices // tp replicas), every request
+decoding from now on with no KV capacity, admission or prefill: a quick closed form, the planner's default
+estimator (PlannerConfig.estimator="drain"; "lookahead" runs the engine's mechanics instead, lookahead.py).
 Pure stdlib. Integrates decode-step latency piecewise: a replica's batch only changes when one of its requests
 finishes, so each stretch between finishes is one chunk (split so the mean context stays near the midpoint)."""
 
@@ -53,3 +55,11 @@ def drain_s(model: LatencyModel, *, tp: int, num_devices: int, remaining: Sequen
         per[rep][0].append(r)
         per[rep][1].append(n)
     return max((replica_drain_s(model, tp, rs, ns) for rs, ns in per if rs), default=0.0)
+
+
+def start_drain_s(model: LatencyModel, *, tp: int, num_devices: int, remaining: Sequence[int],
+                  num_tokens: Sequence[int], prompt_tokens: int) -> float:
+    """A stage not started yet: `drain_s` of its requests (balanced, replicas unknown) plus the prefill of its
+    `prompt_tokens` prompt tokens spread evenly over the replicas."""
+    return (drain_s(model, tp=tp, num_devices=num_devices, remaining=remaining, num_tokens=num_tokens)
+            + model.prefill_s(tp, -(-prompt_tokens // (num_devices // tp))))

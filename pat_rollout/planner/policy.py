@@ -1,70 +1,31 @@
 """What to do now: stay, rebalance requests across the current replicas, or regroup to another TP (grow or
 shrink), and in which layout to start each stage. Compares the predicted remaining time of every action plus its
 overhead and acts only when the predicted saving beats a margin, with hysteresis. Estimates come from the profile
-corrected by what the pool measured (`calibration.py`). Pure stdlib, deterministic."""
+corrected by what the pool measured (`calibration.py`), by one of two estimators (`PlannerConfig.estimator`):
+- "drain" (default): the closed-form drain (`estimator.py`), every request decoding from now on at its predicted
+  mean length, no KV capacity, admission or prefill; cheap enough to run synchronously every poll.
+- "lookahead": the rest of the stage simulated with the engine's mechanics (`lookahead.py`), lengths drawn from
+  the predictor's distribution; closer to the engine where KV capacity binds, but tens of ms per decide().
+The configuration is planner/config.py's PlannerConfig. Pure stdlib, deterministic."""
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
+from pat_rollout.kv.cost import handoff_cost
 from pat_rollout.planner.calibration import Calibration, CalibrationConfig, PollSample, ReconfigSample
-from pat_rollout.planner.cost import TransitionCost, transition_cost
-from pat_rollout.planner.estimator import drain_s
-from pat_rollout.planner.predictor import LengthPredictor, PredictorConfig
+from pat_rollout.planner.config import PlannerConfig
+from pat_rollout.planner.cost import TransitionCost, prefers_migration, transition_cost
+from pat_rollout.planner.estimator import drain_s, start_drain_s
+from pat_rollout.planner.lookahead import EngineSpec, Lookahead
+from pat_rollout.planner.lookahead import build as build_lookahead
+from pat_rollout.planner.predictor import LengthPredictor
 from pat_rollout.planner.rebalance import RebalanceOption, rebalance_option
 from pat_rollout.planner.state import ClusterState, Decision
 from pat_rollout.profile.model import LatencyModel
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class PlannerConfig:
-    """- candidate_tps: TP sizes the planner may switch to.
-    - eval_every_steps: evaluate at most once per this many decode steps (k).
-    - min_gain_s / min_gain_ratio: switch only if saving - overhead > max(min_gain_s, min_gain_ratio * remaining).
-    - min_steps_between_switches: no switch within this many steps of the previous one.
-    - only_grow: only switch to a larger TP (the batch only drains during a stage).
-    - no_return_steps: never switch back to a TP that was left less than this many steps ago.
-    - max_reconfigs_per_stage: hard cap on switches per stage.
-    - start_layout: choose each stage's starting TP from its batch (else the stage starts where the pool is).
-    - explore_max_ratio: at a stage start, try a candidate TP never measured on this pool when its predicted stage
-      time is within this factor of the best (the profile may be wrong about it); 0 never explores.
-    - calibrate / calibration_alpha: correct the profile from measured polls and switches (EWMA weight).
-    - rebalance: also consider moving requests between the current replicas (where the pool can).
-    - max_rebalances_per_stage: hard cap on rebalances per stage; min_steps_between_switches also spaces
-      rebalances from any earlier action."""
-
-    candidate_tps: tuple[int, ...]
-    eval_every_steps: int = 64
-    min_gain_s: float = 0.5
-    min_gain_ratio: float = 0.05
-    min_steps_between_switches: int = 256
-    only_grow: bool = False
-    no_return_steps: int = 4096
-    max_reconfigs_per_stage: int = 3
-    start_layout: bool = True
-    explore_max_ratio: float = 2.0
-    calibrate: bool = True
-    calibration_alpha: float = 0.5
-    rebalance: bool = True
-    max_rebalances_per_stage: int = 2
-    predictor: PredictorConfig = field(default_factory=PredictorConfig)
-
-    def __post_init__(self) -> None:
-        if not self.candidate_tps or any(tp < 1 for tp in self.candidate_tps):
-            raise ValueError(f"candidate_tps={self.candidate_tps} must be a non-empty tuple of positive ints")
-        if len(set(self.candidate_tps)) != len(self.candidate_tps):
-            raise ValueError(f"candidate_tps={self.candidate_tps} has duplicates")
-        for name in ("eval_every_steps",):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
-        for name in ("min_gain_s", "min_gain_ratio", "min_steps_between_switches", "no_return_steps",
-                     "max_reconfigs_per_stage", "explore_max_ratio", "max_rebalances_per_stage"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name}={getattr(self, name)} must be >= 0")
-
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Option:
@@ -87,10 +48,12 @@ class Option:
 class Planner:
     """Decides reconfigurations for one pool. Per stage: `start_stage()`, feed `observe_finished` as requests
     finish, call `decide(state)` every poll. A returned Decision is assumed applied at `state.step`.
-    `can_rebalance`: the pool it plans for can move requests between replicas (pool.supports_rebalance)."""
+    `can_rebalance`: the pool it plans for can move requests between replicas (pool.supports_rebalance).
+    `engine`: the engine's scheduler rules and per-replica KV capacity, read by the lookahead estimator only
+    (default: EngineSpec.default_for)."""
 
     def __init__(self, model: LatencyModel, config: PlannerConfig, predictor: LengthPredictor | None = None, *,
-                 can_rebalance: bool = False) -> None:
+                 can_rebalance: bool = False, engine: EngineSpec | None = None) -> None:
         missing = sorted(set(config.candidate_tps) - set(model.tps))
         if missing:
             raise ValueError(f"candidate_tps={config.candidate_tps}: tps {missing} are not in the profile "
@@ -100,6 +63,12 @@ class Planner:
         self.predictor = predictor or LengthPredictor(config.predictor)
         self.calibration = Calibration(CalibrationConfig(alpha=config.calibration_alpha, enabled=config.calibrate))
         self.can_rebalance = can_rebalance
+        self.uses_lookahead = config.estimator == "lookahead"
+        if engine is None and self.uses_lookahead:
+            engine = EngineSpec.default_for(model, model.tps)
+        self.engine = engine
+        self._handoff = handoff_cost(model)
+        self._migrates_memo: dict[tuple[int, int], bool] = {}
         self.start_stage()
 
     def start_stage(self) -> None:
@@ -151,24 +120,56 @@ class Planner:
         return {r.request_id: self.predictor.predict_remaining(r.num_output_tokens, r.max_new_tokens, r.prompt_key)
                 for r in state.requests}
 
-    def evaluate(self, state: ClusterState) -> tuple[float, tuple[Option, ...]]:
-        """Predicted remaining seconds if we stay, and every candidate layout (no evaluation clock)."""
-        pred = self.predict_remaining(state)
-        remaining = [pred[r.request_id] for r in state.requests]
-        tokens = [r.num_tokens for r in state.requests]
-        reps = [r.replica for r in state.requests]
-        known = None if any(x is None for x in reps) else [int(x) for x in reps]  # type: ignore[arg-type]
+    def lookahead(self, state: ClusterState) -> Lookahead:
+        """This poll's lookahead: the requests bundled into units, each unit's final length drawn from the
+        predictor at a stratified quantile, on the calibrated profile and the engine's spec."""
+        self.predictor.set_running(r.num_output_tokens for r in state.requests)
         model = self.estimator_model()
-        now_s = drain_s(model, tp=state.tp, num_devices=state.num_devices, remaining=remaining,
-                        num_tokens=tokens, replicas=known)
+        spec = self.engine or EngineSpec.default_for(self.model, self.model.tps)
+        return build_lookahead(
+            step=model, spec=spec, num_devices=state.num_devices, requests=state.requests,
+            draw=lambda r, q: self.predictor.sample_remaining(r.num_output_tokens, r.max_new_tokens, r.prompt_key, q),
+            config=self.config.lookahead,
+            migrates=self.migrates)
+
+    def migrates(self, num_tokens: int, tp_dst: int) -> bool:
+        """The driver's hand-off rule (planner.cost.prefers_migration with this profile), memoised: the
+        lookahead asks it for every request of every candidate layout at every poll."""
+        key = (num_tokens, tp_dst)
+        out = self._migrates_memo.get(key)
+        if out is None:
+            out = self._migrates_memo[key] = prefers_migration(self.model, tp_dst, num_tokens, self._handoff)
+        return out
+
+    def evaluate(self, state: ClusterState, la: Lookahead | None = None) -> tuple[float, tuple[Option, ...]]:
+        """Predicted remaining seconds if we stay, and every candidate layout (no evaluation clock).
+        drain: a regroup's cost charges every request's context to the hand-off (migrated or recomputed).
+        lookahead: its cost is the pause (reshard, migration of the KV the hand-off rule moves, switch);
+        re-prefill of the rest is paid inside the lookahead, through admission."""
+        model = self.estimator_model()
+        tokens = [r.num_tokens for r in state.requests]
+        if self.uses_lookahead:
+            la = la or self.lookahead(state)
+            now_s = la.stay_s(state.tp)
+            regroup_s = la.regroup_s  # (remaining seconds, tokens of the requests whose KV the hand-off migrates)
+        else:
+            pred = self.predict_remaining(state)
+            remaining = [pred[r.request_id] for r in state.requests]
+            reps = [r.replica for r in state.requests]
+            known = None if any(x is None for x in reps) else [int(x) for x in reps]  # type: ignore[arg-type]
+            now_s = drain_s(model, tp=state.tp, num_devices=state.num_devices, remaining=remaining,
+                            num_tokens=tokens, replicas=known)
+
+            def regroup_s(tp: int) -> tuple[float, list[int]]:
+                return drain_s(model, tp=tp, num_devices=state.num_devices, remaining=remaining,
+                               num_tokens=tokens), tokens
         options = []
         for tp in sorted(self.config.candidate_tps):
             if tp == state.tp or state.num_devices % tp:
                 continue
             why_not = self._why_not(state, tp)
-            remaining_s = drain_s(model, tp=tp, num_devices=state.num_devices, remaining=remaining,
-                                  num_tokens=tokens)
-            cost = self._cost(model, state.num_devices, state.tp, tp, tokens)
+            remaining_s, handed_off = regroup_s(tp)
+            cost = self._cost(model, state.num_devices, state.tp, tp, handed_off)
             back = self._cost(model, state.num_devices, tp, state.tp, tokens).total_s if tp < state.tp else 0.0
             options.append(Option(tp=tp, remaining_s=remaining_s, cost=cost, allowed=not why_not, why_not=why_not,
                                   return_s=back))
@@ -180,7 +181,8 @@ class Planner:
 
     def _cost(self, model: LatencyModel, num_devices: int, tp_src: int, tp_dst: int,
               num_tokens: list[int]) -> TransitionCost:
-        cost = transition_cost(model, num_devices=num_devices, tp_src=tp_src, tp_dst=tp_dst, num_tokens=num_tokens)
+        cost = transition_cost(model, num_devices=num_devices, tp_src=tp_src, tp_dst=tp_dst, num_tokens=num_tokens,
+                               migrates=self.migrates if self.uses_lookahead else None)
         return self.calibration.correct_cost(cost, tp_src, tp_dst)
 
     # ---- measurements and the stage's starting layout -------------------------------------------
@@ -193,20 +195,26 @@ class Planner:
         self.calibration.observe_reconfig(self.model, sample)
 
     def start_options(self, state: ClusterState) -> dict[int, tuple[float, TransitionCost]]:
-        """For every candidate TP: predicted seconds to prefill and drain the batch of `state` (requests not started,
-        replica unknown) in that layout, and the cost of switching there from `state.tp` with nothing running."""
+        """For every candidate TP: predicted seconds to dispatch, prefill and drain the batch of `state` (requests
+        not started, replica unknown) in that layout, and the cost of switching there from `state.tp` with nothing
+        running."""
         model = self.estimator_model()
-        pred = self.predict_remaining(state)
-        remaining = [pred[r.request_id] for r in state.requests]
-        tokens = [r.num_tokens for r in state.requests]
-        prompt_tokens = sum(r.num_prompt_tokens for r in state.requests)
+        if self.uses_lookahead:
+            run_s = self.lookahead(state).stay_s
+        else:
+            pred = self.predict_remaining(state)
+            remaining = [pred[r.request_id] for r in state.requests]
+            tokens = [r.num_tokens for r in state.requests]
+            prompt_tokens = sum(r.num_prompt_tokens for r in state.requests)
+
+            def run_s(tp: int) -> float:
+                return start_drain_s(model, tp=tp, num_devices=state.num_devices, remaining=remaining,
+                                     num_tokens=tokens, prompt_tokens=prompt_tokens)
         out = {}
         for tp in sorted(self.config.candidate_tps):
             if state.num_devices % tp:
                 continue
-            run_s = drain_s(model, tp=tp, num_devices=state.num_devices, remaining=remaining, num_tokens=tokens)
-            run_s += model.prefill_s(tp, -(-prompt_tokens // (state.num_devices // tp)))
-            out[tp] = (run_s, self._cost(model, state.num_devices, state.tp, tp, []))
+            out[tp] = (run_s(tp), self._cost(model, state.num_devices, state.tp, tp, []))
         return out
 
     def choose_start(self, state: ClusterState) -> Decision | None:
@@ -279,25 +287,39 @@ class Planner:
         if rebalance_why_not and not any(not self._why_not(state, tp) for tp in cfg.candidate_tps
                                          if tp != state.tp and state.num_devices % tp == 0):
             return None  # nothing allowed: skip the estimate
-        now_s, options = self.evaluate(state)
+        la = self.lookahead(state) if self.uses_lookahead else None
+        now_s, options = self.evaluate(state, la)
         self.last_options = options
         allowed = [o for o in options if o.allowed]
         margin = max(cfg.min_gain_s, cfg.min_gain_ratio * now_s)
         # ---- rebalance: chosen over the best regroup only when its remaining time plus overhead is lower
-        self.last_rebalance = None if rebalance_why_not else self._rebalance_option(state)
+        self.last_rebalance = None if rebalance_why_not else self._rebalance_option(state, la)
         rb = self.last_rebalance
         if rb is not None and (not allowed or rb.total_s < min(o.total_s for o in allowed)):
             return self._rebalance_decision(state, now_s, rb, margin)
         # ---- regroup
         if not allowed:
             return None
-        best = min(allowed, key=lambda o: (o.total_s, o.tp))
-        saving = now_s - best.total_s
+        # growing into a TP never measured on this pool: it may be as wrong as the profile proved on the measured
+        # ones (a profile's error grows with TP: all-reduce latency, efficiency under load), so its predicted
+        # remaining time counts that much more (0 while nothing is measured or the profile is right). A shrink
+        # carries no such risk: smaller TPs are where profiles are surest, and a wrong start must be leavable.
+        # Lookahead only: measured with it (sim_policies, h100/llama low variant); the drain path stays as it was.
+        err = self.calibration.profile_error() if self.uses_lookahead else 0.0
+        observed = self.calibration.observed_tps()
+
+        def risk_s(o: Option) -> float:
+            return 0.0 if o.tp in observed or o.tp < state.tp else err * o.remaining_s
+
+        best = min(allowed, key=lambda o: (o.total_s + risk_s(o), o.tp))
+        saving = now_s - best.total_s - risk_s(best)
         if saving <= margin:
             logger.debug("step %d: stay at tp=%d (best tp=%d saves %.3fs <= margin %.3fs)", state.step, state.tp,
                          best.tp, saving, margin)
             return None
         back = f" + {best.return_s:.3f}s to grow back" if best.return_s else ""
+        if risk_s(best):
+            back += f" + {risk_s(best):.2f}s for a TP not measured here (profile off by {err:.0%})"
         reason = (f"{len(state.requests)} requests left: tp={state.tp} needs {now_s:.2f}s, tp={best.tp} needs "
                   f"{best.remaining_s:.2f}s + {best.cost.total_s:.3f}s overhead (reshard {best.cost.reshard_s:.3f}s, "
                   f"kv {best.cost.kv_s:.3f}s, switch {best.cost.switch_s:.3f}s){back}; saving {saving:.2f}s > margin "
@@ -324,7 +346,11 @@ class Planner:
             return f"last action at step {last} < min_steps_between_switches={cfg.min_steps_between_switches} ago"
         return ""
 
-    def _rebalance_option(self, state: ClusterState) -> RebalanceOption | None:
+    def _rebalance_option(self, state: ClusterState, la: Lookahead | None) -> RebalanceOption | None:
+        """The moves planner.rebalance proposes, scored by the drain estimate on the predicted means (`la` None)
+        or by the lookahead (Lookahead.rebalance_option)."""
+        if la is not None:
+            return la.rebalance_option(state.tp, self.estimator_model())
         pred = self.predict_remaining(state)
         return rebalance_option(self.estimator_model(), tp=state.tp, num_devices=state.num_devices,
                                 request_ids=[r.request_id for r in state.requests],

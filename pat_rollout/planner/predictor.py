@@ -68,6 +68,26 @@ class _Survival:
             integral += s_last * (max_new_tokens - t_last) / 2.0
         return integral / s_g
 
+    def quantile_remaining(self, g: int, max_new_tokens: int, v: float) -> float:
+        """The v-quantile of L - g given L > g under S (the linear tail past the last event)."""
+        k = bisect.bisect_right(self.times, g) - 1
+        s_g = self.surv[k]
+        t_last, s_last = self.times[-1], self.surv[-1]
+        if g >= t_last or s_g <= 0.0:
+            return v * (max_new_tokens - g)
+        target = s_g * (1.0 - v)
+        if target < s_last:  # in the linear tail from (t_last, s_last) to (max_new_tokens, 0)
+            return t_last + (1.0 - target / s_last) * max(0, max_new_tokens - t_last) - g
+        # first event time after g where S drops to <= target (surv is non-increasing)
+        lo, hi = k + 1, len(self.surv) - 1
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if self.surv[mid] <= target:
+                hi = mid
+            else:
+                lo = mid + 1
+        return self.times[lo] - g
+
 
 class LengthPredictor:
     """E[L - g | L > g] for a request that has generated g tokens, from a mixture of
@@ -125,3 +145,25 @@ class LengthPredictor:
             num += cfg.prompt_weight * sum(above)
             den += cfg.prompt_weight * len(above)
         return max(1, min(max_new_tokens - g, round(num / den)))
+
+    def sample_remaining(self, g: int, max_new_tokens: int, prompt_key: str | None, u: float) -> int:
+        """A draw of the remaining tokens from the same mixture `predict_remaining` averages, at uniform `u` in
+        [0, 1): `u` picks the component by its weight (prior, stage, same prompt), its position inside that
+        component's share is the quantile taken there. Stratified `u` over a batch gives the batch the
+        predicted spread, tail included, where the mean would give every request the same middle."""
+        if g >= max_new_tokens:
+            raise ValueError(f"num_output_tokens={g} must be < max_new_tokens={max_new_tokens}")
+        cfg = self.config
+        if self._survival is None:
+            self._survival = _Survival(self._finished, self._running)
+        n_stage = min(self._survival.num_events_above(g), cfg.max_stage_weight)
+        above = sorted(x - g for x in self._history.get(prompt_key, ()) if x > g) if prompt_key is not None else []
+        w_prompt = cfg.prompt_weight * len(above)
+        x = u * (cfg.prior_weight + n_stage + w_prompt)
+        if x < w_prompt:
+            rem = above[min(len(above) - 1, int(x / w_prompt * len(above)))]
+        elif x < w_prompt + n_stage:
+            rem = self._survival.quantile_remaining(g, max_new_tokens, (x - w_prompt) / n_stage)
+        else:
+            rem = (x - w_prompt - n_stage) / cfg.prior_weight * (max_new_tokens - g)
+        return max(1, min(max_new_tokens - g, round(rem)))

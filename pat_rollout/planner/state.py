@@ -10,7 +10,9 @@ from pat_rollout.planner.rebalance import Move
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ReqProgress:
     """One unfinished request. `replica` is the index of the TP group holding it now (None if unknown: the
-    estimator then assumes a balanced assignment). `prompt_key` identifies the prompt across RL iterations."""
+    estimator then assumes the driver's dispatch). `prompt_key` identifies the prompt across RL iterations.
+    `cached`: whether its KV is on its replica now (running), False when it waits for (re-)prefill (queued or
+    preempted), None when the engine did not say (the lookahead then assumes every started request runs)."""
 
     request_id: str
     prompt_key: str | None
@@ -18,6 +20,7 @@ class ReqProgress:
     num_output_tokens: int
     max_new_tokens: int
     replica: int | None = None
+    cached: bool | None = None
 
     def __post_init__(self) -> None:
         if self.num_prompt_tokens < 0 or self.num_output_tokens < 0 or self.max_new_tokens < 1:

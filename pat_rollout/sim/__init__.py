@@ -1,5 +1,6 @@
-"""Simulation of one synchronous generation stage: an independent ground truth (step times, KV capacity,
-admission/preemption, prefill, driver loop, reconfiguration phases: `hardware`, `replica`, `simulator`), policies
+"""Simulation of one synchronous generation stage: a ground truth (step times, KV capacity, driver loop,
+reconfiguration phases: `hardware`, `simulator`; admission/preemption/prefill are planner/engine_model.py's
+mechanics, the one copy the planner's lookahead also runs, fed the truth by `replica`), policies
 plugged in through PollView -> action (`policies`), traces and length files (`traces`, `lengths`).
 
 Pure stdlib plus pat_rollout.planner, pat_rollout.kv.cost and pat_rollout.profile (no torch, ray or sglang).

@@ -7,9 +7,11 @@ bracket is true) scaled by (1 + planner_error). The planner predicts lengths wit
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from pat_rollout.kv.cost import handoff_cost
+from pat_rollout.planner.lookahead import EngineSpec
 from pat_rollout.planner.policy import Planner, PlannerConfig
 from pat_rollout.profile.model import LatencyModel
 from pat_rollout.sim.hardware import SimHardware
@@ -51,16 +53,26 @@ class Comparison:
                 "oracle_vs_best_static": by["oracle"].latency_s / self.best_static().latency_s}
 
 
+def engine_spec(hw: SimHardware) -> EngineSpec:
+    """What the driver reads from its engine: the scheduler's rules and each layout's per-replica KV tokens."""
+    return EngineSpec(scheduler=hw.scheduler, kv_tokens=dict(hw.kv_tokens))
+
+
 def compare(hw: SimHardware, planner_model: LatencyModel, trace: Trace, *, num_devices: int,
             planner_config: PlannerConfig, initial_tp: int = 1, verl_tp: int = VERL_DEFAULT_TP,
-            with_oracle: bool = True) -> Comparison:
-    """static-tp<x> for each candidate tp that divides num_devices, pat, and the oracle."""
+            with_oracle: bool = True, with_lookahead: bool = False) -> Comparison:
+    """static-tp<x> for each candidate tp that divides num_devices, pat (planner_config as given), with_lookahead:
+    pat-lookahead (the same config with estimator="lookahead"), and the oracle."""
     tps = sorted(tp for tp in planner_config.candidate_tps if num_devices % tp == 0)
     handoff = handoff_cost(planner_model)
     out = [run_policy(hw, trace, StaticPolicy(tp), num_devices=num_devices) for tp in tps]
-    planner = Planner(planner_model, planner_config)
-    out.append(run_policy(hw, trace, PlannerPolicy(planner, initial_tp, trace), num_devices=num_devices,
-                          handoff=handoff))
+    pats = [("pat", planner_config)]
+    if with_lookahead:
+        pats.append(("pat-lookahead", dataclasses.replace(planner_config, estimator="lookahead")))
+    for name, cfg in pats:
+        planner = Planner(planner_model, cfg, engine=engine_spec(hw))
+        out.append(run_policy(hw, trace, PlannerPolicy(planner, initial_tp, trace, name=name),
+                              num_devices=num_devices, handoff=handoff))
     if with_oracle:
         out.append(oracle(hw, trace, num_devices=num_devices, tps=tps, handoff=handoff))
     return Comparison(results=tuple(out), verl_tp=verl_tp)

@@ -6,50 +6,10 @@ from __future__ import annotations
 import bisect
 import statistics
 from dataclasses import dataclass, field
-from typing import Protocol
 
 from pat_rollout.planner.capacity import MemorySpec, replica_kv_tokens
+from pat_rollout.planner.engine_model import SchedulerModel, StepModel
 from pat_rollout.profile.model import LatencyModel
-
-
-class StepModel(Protocol):
-    """True step times: a LatencyModel (a measured profile) or profile.published.GpuStepModel."""
-
-    def decode_step_s(self, tp: int, batch: float, context: float) -> float: ...
-
-    def prefill_s(self, tp: int, num_tokens: int) -> float: ...
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class SchedulerModel:
-    """The engine's admission and preemption rules.
-
-    - "ref" (pat_rollout's reference engine): admit while the prompt's blocks fit, none in a step that preempted,
-      at most max_prefill_tokens per step (the first admitted always); preempt the newest admitted first.
-    - "sglang": admit while prompt + new_token_ratio * (clipped remaining budget of every running request and of
-      the new one) fits; new_token_ratio decays from init to min over decay_steps and resets on retraction;
-      retract the running request with the fewest output tokens (ties: longest prompt) first, its KV freed and
-      re-prefilled later (SGLang's retract_decode). Prompts of one GRPO group share their KV (radix cache)."""
-
-    kind: str = "ref"
-    max_num_seqs: int = 256
-    max_prefill_tokens: int = 2048
-    block_size: int = 16
-    init_ratio: float = 0.7
-    min_ratio: float = 0.098
-    decay_steps: int = 600
-    clip_max_new_tokens: int = 4096
-
-    def __post_init__(self) -> None:
-        if self.kind not in ("ref", "sglang"):
-            raise ValueError(f"kind={self.kind!r} must be 'ref' or 'sglang'")
-        if self.max_num_seqs < 1 or self.max_prefill_tokens < 1 or self.block_size < 1 or self.decay_steps < 1:
-            raise ValueError(f"max_num_seqs={self.max_num_seqs}, max_prefill_tokens={self.max_prefill_tokens}, "
-                             f"block_size={self.block_size}, decay_steps={self.decay_steps} must be >= 1")
-
-    @property
-    def prefix_sharing(self) -> bool:
-        return self.kind == "sglang"
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

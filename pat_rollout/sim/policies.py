@@ -5,7 +5,7 @@ Pure stdlib."""
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from pat_rollout.kv.cost import HandoffCost
@@ -91,7 +91,7 @@ class ScheduledPolicy:
 
     def on_poll(self, view: PollView) -> Reconfigure | Rebalance | None:
         for count, tp in self.switches:
-            if view.num_unfinished <= count and tp > view.state.tp:
+            if view.num_unfinished <= count and tp > view.tp:
                 return Reconfigure(tp=tp)
         return None
 
@@ -142,48 +142,119 @@ class ReplayPolicy:
         while self._next < len(self.layouts) and self.layouts[self._next][0] <= self._polls:
             tp = self.layouts[self._next][1]
             self._next += 1
-        return None if tp is None or tp == view.state.tp else Reconfigure(tp=tp)
+        return None if tp is None or tp == view.tp else Reconfigure(tp=tp)
+
+
+@dataclass(slots=True)
+class SwitchPolicy:
+    """Start at `tp0`; for each (count, tp) in order, switch to tp (grow or shrink) at the first poll with at
+    most `count` requests unfinished. The oracle's schedules."""
+
+    tp0: int
+    switches: tuple[tuple[int, int], ...] = ()
+    name: str = "schedule"
+    _next: int = field(default=0, init=False)
+
+    def initial_tp(self) -> int:
+        return self.tp0
+
+    def on_poll(self, view: PollView) -> Reconfigure | None:
+        tp = None
+        while self._next < len(self.switches) and view.num_unfinished <= self.switches[self._next][0]:
+            tp = self.switches[self._next][1]
+            self._next += 1
+        return None if tp is None or tp == view.tp else Reconfigure(tp=tp)
 
 
 def thresholds(n: int) -> list[int]:
-    """Unfinished-request counts at which the oracle may switch, descending."""
+    """Unfinished-request counts at which the oracle's coarse search may switch, descending."""
     out = {max(1, n >> i) for i in range(1, 9)} | {8, 4, 2, 1}
     return sorted((x for x in out if x < n), reverse=True)
 
 
-def oracle(hw: SimHardware, trace: Trace, *, num_devices: int, tps: Sequence[int], max_switches: int = 2,
-           handoff: HandoffCost | None = None) -> SimResult:
-    """Best latency over every start TP and every increasing TP sequence of at most `max_switches` switches taken
-    when the unfinished count first drops to one of `thresholds`. Simulated on the truth (knows every length
-    through it); branches share their prefix by cloning the simulation."""
-    thr = thresholds(len(trace.records))
-    best: list[SimResult] = []
+def fine_points(n: int, grid: int) -> list[int]:
+    """The refinement's switch points: unfinished counts n * k / grid for k = grid - 1 .. 1 and the coarse
+    thresholds below them, descending."""
+    out = {max(1, n * k // grid) for k in range(1, grid)} | set(thresholds(n))
+    return sorted((x for x in out if x < n), reverse=True)
 
-    def consider(res: SimResult) -> None:
-        if not best or res.latency_s < best[0].latency_s:
-            best[:] = [res]
 
-    def search(sim: Sim, j0: int, left: int) -> None:
+def oracle(hw: SimHardware, trace: Trace, *, num_devices: int, tps: Sequence[int], max_switches: int = 3,
+           handoff: HandoffCost | None = None, grid: int = 16, passes: int = 3) -> SimResult:
+    """The best regrouping schedule this search finds in hindsight: simulated on the truth (it knows every length
+    through it). Schedules switch the whole pool at the poll where the unfinished count first drops to a point.
+
+    Search, in two phases (branches share their prefix by cloning the simulation):
+    1. exhaustive on the coarse points (`thresholds`: the unfinished count halving): every start TP with every
+       increasing TP sequence of at most 2 switches, and every start TP with one switch to any other TP (a
+       shrink included);
+    2. greedy refinement of the best schedule on the fine points (`fine_points(n, grid)`): in each pass, try
+       inserting a switch to every other TP at every fine point (the schedule's later switches kept, up to
+       `max_switches` switches), moving each switch to every fine point, and dropping each switch; keep the best
+       if it improves, up to `passes` passes.
+    Not exhaustive, so not a bound: a policy below it is flagged by the benchmark, not hidden."""
+    n = len(trace.records)
+    thr = thresholds(n)
+    best: list[tuple[float, int, tuple[tuple[int, int], ...], SimResult]] = []
+
+    def consider(res: SimResult, tp0: int, sched: tuple[tuple[int, int], ...]) -> None:
+        if not best or res.latency_s < best[0][0]:
+            best[:] = [(res.latency_s, tp0, sched, res)]
+
+    def new_sim(tp0: int, sched: tuple[tuple[int, int], ...]) -> Sim:
+        return Sim(hw, trace, num_devices=num_devices, policy=SwitchPolicy(tp0=tp0, switches=sched), handoff=handoff)
+
+    def grow(sim: Sim, tp0: int, sched: tuple[tuple[int, int], ...], j0: int, left: int) -> None:
         bigger = [tp for tp in tps if tp > sim.tp]
-        base = sim
         for j in range(j0, len(thr)):
             if not left or not bigger:
                 break
-            n = thr[j]
-            base.run(stop=lambda s, n=n: s.num_unfinished <= n)
-            if not base.num_unfinished:
+            c = thr[j]
+            sim.run(stop=lambda s, c=c: s.num_unfinished <= c)
+            if not sim.num_unfinished:
                 break
             for tp in bigger:
-                branch = base.clone()
+                branch = sim.clone()
                 branch.apply(Reconfigure(tp=tp))
-                search(branch, j + 1, left - 1)
-        base.run()
-        consider(base.result("oracle"))
+                grow(branch, tp0, (*sched, (c, tp)), j + 1, left - 1)
+        sim.run()
+        consider(sim.result("oracle"), tp0, sched)
 
-    for tp in tps:
-        search(Sim(hw, trace, num_devices=num_devices, policy=ScheduledPolicy(tp0=tp), handoff=handoff), 0,
-               max_switches)
-    return best[0]
+    def scan(tp0: int, sched: tuple[tuple[int, int], ...], points: Sequence[int], targets: Callable) -> None:
+        """Run `sched`; at each point c (descending) branch: switch to each tp in targets(c, tp_now) now, then keep
+        the switches of `sched` that come later."""
+        sim = new_sim(tp0, sched)
+        for c in points:
+            sim.run(stop=lambda s, c=c: s.num_unfinished <= c)
+            if not sim.num_unfinished:
+                break
+            later = tuple(x for x in sched if x[0] < c)
+            for tp in targets(c, sim.tp):
+                if tp == sim.tp:
+                    continue
+                branch = sim.clone()
+                branch.policy = SwitchPolicy(tp0=tp0, switches=later)
+                branch.apply(Reconfigure(tp=tp))
+                branch.run()
+                consider(branch.result("oracle"), tp0, (*(x for x in sched if x[0] >= c), (c, tp), *later))
+        sim.run()
+        consider(sim.result("oracle"), tp0, sched)
+
+    for tp in tps:  # phase 1
+        grow(new_sim(tp, ()), tp, (), 0, 2)
+        scan(tp, (), thr, lambda c, now: tps)
+    pts = fine_points(n, grid)
+    for _ in range(passes):  # phase 2
+        before = best[0][0]
+        _, tp0, sched, _ = best[0]
+        if len(sched) < max_switches:
+            scan(tp0, sched, pts, lambda c, now: tps)
+        for k, (_, tp_k) in enumerate(sched):
+            rest = sched[:k] + sched[k + 1:]
+            scan(tp0, rest, pts, lambda c, now, tp_k=tp_k: (tp_k,))
+        if best[0][0] >= before:
+            break
+    return best[0][3]
 
 
 def run_policy(hw: SimHardware, trace: Trace, policy, *, num_devices: int, handoff: HandoffCost | None = None,

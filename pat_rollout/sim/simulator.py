@@ -54,16 +54,26 @@ class Rebalance:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class PollView:
-    """What a policy sees at a poll: time, the ClusterState a real driver would build, (prompt_key, length) of the
-    requests that finished since the previous poll in finish order, and what the pool measured since then (decode
-    polls without prefill, reconfigurations), as the driver's `_record_poll` / `_record_reconfig` report them."""
+    """What a policy sees at a poll: time, the layout's TP, the ClusterState a real driver would build, (prompt_key,
+    length) of the requests that finished since the previous poll in finish order, and what the pool measured
+    since then (decode polls without prefill, reconfigurations), as the driver's `_record_poll` /
+    `_record_reconfig` report them. `state` is built on first access (a static policy never pays for it): read
+    it inside `on_poll`, before the simulation moves on."""
 
     t: float
-    state: ClusterState
+    tp: int
     finished: tuple[tuple[str, int], ...]
     num_unfinished: int
     num_total: int
     samples: tuple[PollSample | ReconfigSample, ...] = ()
+    build_state: Callable[[], ClusterState] = field(repr=False, compare=False)
+    _state: list[ClusterState] = field(default_factory=list, repr=False, compare=False)
+
+    @property
+    def state(self) -> ClusterState:
+        if not self._state:
+            self._state.append(self.build_state())
+        return self._state[0]
 
 
 class Policy(Protocol):
@@ -218,17 +228,20 @@ class Sim:
     _base_step = 0
 
     def view(self) -> PollView:
+        v = PollView(t=self.t, tp=self.tp, finished=tuple(self._pending), num_unfinished=self.num_unfinished,
+                     num_total=self.num_total, samples=tuple(self._samples), build_state=self._cluster_state)
+        self._pending, self._samples = [], []
+        return v
+
+    def _cluster_state(self) -> ClusterState:
         reqs = []
         for i, rep in enumerate(self.replicas):
             for r in (*rep.running, *rep.waiting):
                 reqs.append(ReqProgress(request_id=r.rid, prompt_key=r.prompt_key, num_prompt_tokens=r.prompt_len,
-                                        num_output_tokens=r.g, max_new_tokens=r.max_new, replica=i))
+                                        num_output_tokens=r.g, max_new_tokens=r.max_new, replica=i,
+                                        cached=r.cached))
         reqs.sort(key=lambda p: p.request_id)
-        state = ClusterState(step=self.step, num_devices=self.num_devices, tp=self.tp, requests=tuple(reqs))
-        v = PollView(t=self.t, state=state, finished=tuple(self._pending), num_unfinished=self.num_unfinished,
-                     num_total=self.num_total, samples=tuple(self._samples))
-        self._pending, self._samples = [], []
-        return v
+        return ClusterState(step=self.step, num_devices=self.num_devices, tp=self.tp, requests=tuple(reqs))
 
     def run(self, stop: Callable[[Sim], bool] | None = None) -> Sim:
         while self.num_unfinished:

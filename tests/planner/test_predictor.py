@@ -1,6 +1,8 @@
 from __future__ import annotations
 
-from pat_rollout.planner import LengthPredictor
+import pytest
+
+from pat_rollout.planner import LengthPredictor, PredictorConfig
 
 M = 16384
 
@@ -56,3 +58,31 @@ def test_deterministic() -> None:
         return [p.predict_remaining(g, M, f"k{g % 5}") for g in range(0, 5000, 100)]
 
     assert run() == run()
+
+
+def test_draws_follow_the_mixture_the_mean_averages() -> None:
+    """Stratified draws of `sample_remaining` spread over the same mixture `predict_remaining` averages: the prior
+    alone is uniform to the cap, a prompt's history gives its lengths, and their mean is the prediction."""
+    p = LengthPredictor()
+    us = [(i + 0.5) / 1000 for i in range(1000)]
+    prior = [p.sample_remaining(0, M, None, u) for u in us]
+    assert prior == [max(1, round(u * M)) for u in us]  # the prior's quantiles: uniform on (0, M)
+    for _ in range(8):
+        p.observe("q", 3000)
+    draws = [p.sample_remaining(1000, M, "q", u) for u in us]
+    # weights: prompt 4 x 8 = 32 (every draw 2000), prior 2 (uniform on the 15384 tokens left)
+    assert sum(d == 2000 for d in draws) == round(1000 * 32 / 34)
+    assert sorted(draws)[-1] > 15000  # the prior's share is the tail
+    assert sum(draws) / len(draws) == pytest.approx(p.predict_remaining(1000, M, "q"), rel=0.01)
+
+
+def test_stage_survival_quantiles_condition_on_generated_tokens() -> None:
+    p = LengthPredictor(PredictorConfig(prior_weight=1e-9))  # the stage alone (the prior only breaks ties)
+    for n in (100, 200, 300, 400):
+        for _ in range(25):
+            p.observe_finished(None, n)
+    p.set_running([])
+    draws = sorted(p.sample_remaining(150, M, None, (i + 0.5) / 300) for i in range(300))
+    # given L > 150 the stage's lengths are 200, 300, 400 with equal mass: remaining 50, 150, 250
+    assert [draws[0], draws[150], draws[-1]] == [50, 150, 250]
+    assert sum(d == 50 for d in draws) == pytest.approx(100, abs=2)
