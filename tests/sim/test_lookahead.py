@@ -44,7 +44,7 @@ def test_lookahead_agrees_with_the_simulator_within_5_percent(setup) -> None:
     sim = Sim(hw, trace, num_devices=8, policy=StaticPolicy(1))
     state = sim._cluster_state()
     true = {r.rid: r.length - r.g for rep in sim.replicas for r in (*rep.running, *rep.waiting)}
-    # the batch as the planner sees it before dispatch (workers.pat_planner.start_state): no replicas yet
+    # the batch as the planner sees it before dispatch (driver.planner_glue.start_state): no replicas yet
     la = _lookahead(hw, prof, dataclasses.replace(state, requests=tuple(
         dataclasses.replace(p, replica=None) for p in state.requests)), true)
     for tp in TPS:
