@@ -48,11 +48,11 @@ RPC_METHODS = {f.__name__: f for f in (pat_save_params, pat_check_inventory)}
 def install() -> None:
     from sglang.srt.managers.scheduler import Scheduler
 
-    from pat_rollout.sglang import debug_hooks, memory_spy, pool_hooks, pool_switch
+    from pat_rollout.sglang import debug_hooks, memory_spy, pool_hooks, pool_switch, rank_rpc
 
     compat.apply_cpu_workarounds()
     for name, fn in {**RPC_METHODS, **pool_switch.RPC_METHODS, **memory_spy.RPC_METHODS}.items():
-        setattr(Scheduler, name, fn)
+        setattr(Scheduler, name, rank_rpc.reporting(fn))  # each rank writes how it ended (SglPool._rpc)
     pool_hooks.install()
     debug_hooks.install()  # tests only: PAT_SGLANG_SAMPLED_LOG
     memory_spy.install()  # tests only: PAT_SGLANG_MEMORY_SPY
