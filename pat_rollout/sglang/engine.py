@@ -12,9 +12,10 @@ request has n more tokens or finished) rather than driving single iterations. Se
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 import uuid
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -224,6 +225,26 @@ class SGLangEngine(Engine):
 
         return self.loop.run_until_complete(guarded())
 
+    @contextlib.contextmanager
+    def bounded(self, what: str, timeout: float | None) -> Iterator[None]:
+        """Bound the `sglang.Engine` methods called inside (update_weights_from_tensor, release/resume_memory_
+        occupation): each ends in `self.sgl.loop.run_until_complete(...)`, so `sgl.loop` is swapped for a proxy
+        whose `run_until_complete` is `_run` with this deadline and the watch hook."""
+        real, engine = self.sgl.loop, self
+
+        class _BoundedLoop:
+            def __getattr__(self, name: str) -> Any:
+                return getattr(real, name)
+
+            def run_until_complete(self, aw: Any) -> Any:
+                return engine._run(aw, what, timeout)
+
+        self.sgl.loop = _BoundedLoop()
+        try:
+            yield
+        finally:
+            self.sgl.loop = real
+
     def run_to_completion(self, timeout: float | None = None) -> list[RequestOutput]:
         """Run until every request finished; return all outputs not yet returned by `step`."""
         tasks = [t.task for t in self._tracked.values() if t.task is not None]
@@ -301,20 +322,22 @@ class SGLangEngine(Engine):
         return self.run_to_completion(timeout)
 
     # ---- weights and memory ------------------------------------------------------------------------
-    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], timeout: float | None = None) -> None:
         """Full HF-named tensors; every rank's `weight_loader` keeps its shard (SGLang load_format=None)."""
-        with compat.weight_update_context(self.sgl):
+        with self.bounded("update_weights", timeout), compat.weight_update_context(self.sgl):
             ok, msg = self.sgl.update_weights_from_tensor(list(named_tensors))
         if not ok:
             raise RuntimeError(f"SGLang update_weights_from_tensor failed on {self.model_path} tp={self.tp_size}: "
                                f"{msg}")
 
-    def release(self, tags: Iterable[str] = ("weights", "kv_cache")) -> None:
+    def release(self, tags: Iterable[str] = ("weights", "kv_cache"), timeout: float | None = None) -> None:
         """Needs SGLang's memory saver (CUDA; launch with enable_memory_saver=True)."""
-        self.sgl.release_memory_occupation(list(tags))
+        with self.bounded("release", timeout):
+            self.sgl.release_memory_occupation(list(tags))
 
-    def resume(self, tags: Iterable[str] = ("weights", "kv_cache")) -> None:
-        self.sgl.resume_memory_occupation(list(tags))
+    def resume(self, tags: Iterable[str] = ("weights", "kv_cache"), timeout: float | None = None) -> None:
+        with self.bounded("resume", timeout):
+            self.sgl.resume_memory_occupation(list(tags))
 
     def shutdown(self) -> None:
         for t in self._tracked.values():

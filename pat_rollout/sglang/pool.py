@@ -346,7 +346,10 @@ class SglPool(Pool):
         asyncio.set_event_loop(self.client.loop)
         if self.layout != self.base:
             raise RuntimeError(f"update_weights in layout {self.layout}; return to the base layout {self.base} first")
-        self.client.update_weights(named_tensors)
+        try:
+            self.client.update_weights(named_tensors, timeout=self.config.rpc_deadline_s())
+        except TimeoutError as e:  # engine.EngineTimeout
+            raise self._engine_timeout(e, "update_weights", []) from e
         self._rpc("pat_backup_base")
 
     def release(self, tags: list[str]) -> None:
@@ -355,13 +358,19 @@ class SglPool(Pool):
             logger.debug("SglPool.release(%s): no memory saver (CPU or enable_memory_saver=False), kept", tags)
             return
         asyncio.set_event_loop(self.client.loop)
-        self.client.release(tags)
+        try:
+            self.client.release(tags, timeout=self.config.rpc_deadline_s())
+        except TimeoutError as e:  # engine.EngineTimeout
+            raise self._engine_timeout(e, "release", []) from e
 
     def resume(self, tags: list[str]) -> None:
         if not self.memory_saver:
             return
         asyncio.set_event_loop(self.client.loop)
-        self.client.resume(tags)
+        try:
+            self.client.resume(tags, timeout=self.config.rpc_deadline_s())
+        except TimeoutError as e:  # engine.EngineTimeout
+            raise self._engine_timeout(e, "resume", []) from e
 
     def info(self) -> list[dict[str, Any]]:
         return self._rpc("pat_pool_info", path="")
@@ -370,8 +379,7 @@ class SglPool(Pool):
         """Every rank's live SGLang parameters (its shard in the current layout), index = WORLD rank."""
         import torch
 
-        asyncio.set_event_loop(self.client.loop)
-        self.client.sgl.collective_rpc("pat_save_params", path=path)
+        self._rpc("pat_save_params", save_path=path)
         return [torch.load(f"{path}.rank{r}.pt", weights_only=False) for r in range(self.num_devices)]
 
     def fail_next(self, phase: str | None, rank: int | None = None, hang_s: float = 0.0) -> None:

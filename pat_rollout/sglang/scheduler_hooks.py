@@ -20,13 +20,14 @@ from pat_rollout.sglang import compat
 from pat_rollout.sglang.live_model import _hf_config_dict, _model, _padded_vocab
 
 
-def pat_save_params(self, path: str) -> None:
-    """Write this rank's named parameters (SGLang names, local shards) and layout facts to `path.rank{r}.pt`."""
+def pat_save_params(self, save_path: str) -> None:
+    """Write this rank's named parameters (SGLang names, local shards) and layout facts to
+    `save_path.rank{r}.pt`."""
     model = _model(self)
     params = {n: p.detach().clone() for n, p in model.named_parameters()}
     tp_rank, tp_size = compat.tp_rank_size()
     info = dict(tp_rank=tp_rank, tp_size=tp_size, padded_vocab=_padded_vocab(self), hf_config=_hf_config_dict(self))
-    torch.save(dict(params=params, info=info), f"{path}.rank{tp_rank}.pt")
+    torch.save(dict(params=params, info=info), f"{save_path}.rank{tp_rank}.pt")
 
 
 def pat_check_inventory(self, path: str) -> None:

@@ -13,6 +13,7 @@ Every wait is bounded (`bounded`, `result(timeout=)`), so a hang fails the test 
 from __future__ import annotations
 
 import os
+import re
 import signal
 import threading
 import time
@@ -111,8 +112,6 @@ def test_one_rank_fails_a_switch_phase_and_the_pool_rolls_back(pool, tiny_models
     elapsed = time.monotonic() - t0
     assert pool.broken is None
     assert str(pool.layout).startswith("2xTP1")
-    import re
-
     assert re.search(message, str(info.value)), str(info.value)
     outs = {rid: f.result(timeout=120) for rid, f in futures.items()}  # no request lost
     for r in reqs:
@@ -226,3 +225,51 @@ def test_killed_scheduler_breaks_the_pool_and_fails_every_request(tiny_models):
     finally:
         bounded(driver.shutdown, 120)
     print(f"killed scheduler reported in {elapsed:.2f} s")
+
+
+def test_scheduler_killed_inside_a_switch_breaks_the_pool(tiny_models):
+    """Rank 1 is held in the KV hand-off (an injected hang) and SIGKILLed there: the switch RPC notices the dead
+    process at its next slice, far inside its deadline (600 s here), and the pool is broken naming rank 1 and
+    the call; every request fails with it; shutdown completes."""
+    from pat_rollout.driver import RolloutDriver
+    from pat_rollout.driver.errors import PoolBrokenError
+    from pat_rollout.sglang import rank_rpc
+
+    driver = RolloutDriver(_config(tiny_models["llama"], rpc_timeout_s=600.0))
+    try:
+        reqs = _requests("kill2-", max_new=400)
+        futures = {r.request_id: driver.submit(r) for r in reqs}
+        _wait_tokens(driver, futures, 4)
+        driver.pool.fail_next("kv", rank=1, hang_s=600)
+        box: dict = {}
+        switch = threading.Thread(target=lambda: box.setdefault("r", _catch(lambda: driver.reconfigure(2))),
+                                  daemon=True)
+        switch.start()
+        t0 = time.monotonic()
+        while rank_rpc.read_phase(os.path.join(driver.pool.workdir, f"pat_switch.{driver.pool._calls}"), 1) != "kv":
+            if time.monotonic() - t0 > 60:
+                pytest.fail("rank 1 never entered the KV hand-off")
+            time.sleep(0.05)
+        t0 = time.monotonic()
+        os.kill(driver.pool.pids[1], signal.SIGKILL)
+        switch.join(60)
+        assert not switch.is_alive(), "reconfigure hung after the kill"
+        elapsed = time.monotonic() - t0
+        err = box["r"]
+        assert isinstance(err, PoolBrokenError), err
+        assert re.search(r"SGLang switch .* -> TP2: SglPool RPC pat_switch: the scheduler process of rank\(s\) "
+                         r"\[(0, )?1\] died", str(err)), str(err)
+        for f in futures.values():
+            with pytest.raises(PoolBrokenError, match=r"rank\(s\) \[(0, )?1\] died"):
+                f.result(timeout=30)
+    finally:
+        bounded(driver.shutdown, 120)
+    print(f"scheduler killed inside a switch: pool broken {elapsed:.2f} s after the kill")
+
+
+def _catch(fn):
+    try:
+        fn()
+    except BaseException as e:
+        return e
+    return None
