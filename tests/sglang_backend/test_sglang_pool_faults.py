@@ -167,12 +167,13 @@ def test_after_the_failures_the_pool_switches_cleanly(pool, tiny_models, hf_refe
 
 
 def test_hung_rank_misses_the_rpc_deadline_and_breaks_the_pool(tiny_models):
-    """Rank 1 hangs in the reshard: the switch RPC gives up at rpc_deadline_s (here 2 + 4 s + tokens x 0.01 s),
-    not when the hang ends (600 s); the pool is broken and says so at once; shutdown completes."""
+    """Rank 1 hangs in the reshard: the switch RPC gives up at rpc_deadline_s (here 2 + 20 s + tokens x 0.01 s:
+    room for a slow first forward on a loaded CPU), not when the hang ends (600 s); the pool is broken and says
+    so at once; shutdown completes."""
     from pat_rollout.driver import RolloutDriver
     from pat_rollout.driver.errors import PoolBrokenError
 
-    cfg = _config(tiny_models["llama"], comm_timeout_s=2.0, rpc_timeout_s=4.0, rpc_timeout_per_token_s=0.01,
+    cfg = _config(tiny_models["llama"], comm_timeout_s=2.0, rpc_timeout_s=20.0, rpc_timeout_per_token_s=0.01,
                   transfer_timeout_floor_s=1.0)
     driver = RolloutDriver(cfg)
     try:
@@ -186,8 +187,8 @@ def test_hung_rank_misses_the_rpc_deadline_and_breaks_the_pool(tiny_models):
                                                   r"did not finish; scheduler rank\(s\) \[1\] hung"):
             bounded(lambda: driver.reconfigure(2), 120)
         elapsed = time.monotonic() - t0
-        # the deadline (6 s + the migrated tokens' allowance), not the 600 s hang; loose for a loaded machine
-        assert elapsed < 60, elapsed
+        # the deadline (22 s + the migrated tokens' allowance), not the 600 s hang; loose for a loaded machine
+        assert cfg.rpc_deadline_s() <= elapsed < 120, elapsed
         print(f"hung rank: pool broken after {elapsed:.2f} s (deadline {cfg.rpc_deadline_s():.0f} s + tokens)")
         for f in futures.values():  # every in-flight request fails with the broken pool's error
             with pytest.raises(PoolBrokenError, match=r"rank\(s\) \[1\] hung"):
