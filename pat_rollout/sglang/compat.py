@@ -243,3 +243,20 @@ def apply_cpu_workarounds() -> None:
 
     if not hasattr(logits_processor, "is_pin_memory_available"):
         logits_processor.torch = _torch_without_pinning()
+
+
+# ---- the engine's RPC socket ---------------------------------------------------------------------------------
+def rpc_send(sock, obj) -> None:
+    """0.5.23 frames IPC with `io_struct.sock_send` (pickle or msgpack); 0.5.12 sends pickled objects."""
+    from sglang.srt.managers import io_struct
+
+    if hasattr(io_struct, "sock_send"):
+        io_struct.sock_send(sock, obj)
+    else:
+        sock.send_pyobj(obj)
+
+
+def rpc_recv(sock):
+    from sglang.srt.managers import io_struct
+
+    return io_struct.sock_recv(sock) if hasattr(io_struct, "sock_recv") else sock.recv_pyobj()

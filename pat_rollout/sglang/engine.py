@@ -12,9 +12,10 @@ request has n more tokens or finished) rather than driving single iterations. Se
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 import uuid
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -85,6 +86,10 @@ class _Tracked:
                              log_probs=self.output_log_probs, finish_reason=self.finish_reason)
 
 
+class EngineTimeout(TimeoutError):
+    """An engine call the driver waits on (step, export, abort) ran past its deadline."""
+
+
 def sglang_sampling_params(sp: SamplingParams, max_new_tokens: int) -> dict[str, Any]:
     """pat_rollout SamplingParams -> SGLang's sampling_params dict."""
     out: dict[str, Any] = dict(max_new_tokens=max_new_tokens, temperature=sp.temperature, top_p=sp.top_p,
@@ -124,6 +129,8 @@ class SGLangEngine(Engine):
         # request id -> tokens SGLang found in its prefix cache, one entry per submission (a migrated request
         # continues on its cached KV: its later submissions show the migrated prefix here).
         self.cached_tokens: dict[str, list[int]] = {}
+        # Called in every slice of a bounded wait (`_run`); SglPool sets it to its dead-scheduler check.
+        self.watch: Callable[[str], None] | None = None
         info = self.sgl._scheduler_init_result.scheduler_infos[0]
         self.max_total_num_tokens = int(info["max_total_num_tokens"])
 
@@ -169,8 +176,8 @@ class SGLangEngine(Engine):
                 self.cached_tokens.setdefault(t.request_id, []).append(cached)
 
     # ---- progress --------------------------------------------------------------------------------
-    def step(self, num_steps: int = 1) -> StepResult:
-        """Wait until every running request has `num_steps` more tokens or has finished."""
+    def step(self, num_steps: int = 1, timeout: float | None = None) -> StepResult:
+        """Wait until every running request has `num_steps` more tokens or has finished (`timeout`: see `_run`)."""
         t0 = time.perf_counter()
         running = [t for t in self._tracked.values() if t.task is not None]
         start = {t.request_id: len(t.new_ids) for t in running}
@@ -179,7 +186,7 @@ class SGLangEngine(Engine):
             while any(not t.task.done() and len(t.new_ids) - start[t.request_id] < num_steps for t in running):
                 await asyncio.sleep(0.002)
 
-        self.loop.run_until_complete(progressed())
+        self._run(progressed(), f"step({num_steps})", timeout)
         self._collect_done()
         finished, self._finished = tuple(self._finished), []
         return StepResult(finished=finished, num_steps=num_steps,
@@ -194,11 +201,55 @@ class SGLangEngine(Engine):
                 del self._tracked[rid]
                 self._finished.append(t.to_output())
 
-    def run_to_completion(self) -> list[RequestOutput]:
+    def _run(self, aw: Any, what: str, timeout: float | None) -> Any:
+        """Run `aw` on SGLang's loop. With `timeout`, give up after that many seconds (EngineTimeout); every
+        slice of the wait calls `self.watch(what)` if set (SglPool: raises when a scheduler process died)."""
+        if timeout is None and self.watch is None:
+            return self.loop.run_until_complete(aw)
+
+        async def guarded() -> Any:
+            task = asyncio.ensure_future(aw)
+            t_end = None if timeout is None else time.monotonic() + timeout
+            while True:
+                done, _ = await asyncio.wait({task}, timeout=0.2)
+                if done:
+                    return task.result()
+                try:
+                    if self.watch is not None:
+                        self.watch(what)
+                    if t_end is not None and time.monotonic() > t_end:
+                        raise EngineTimeout(f"SGLang engine call {what} did not finish within {timeout:.1f} s")
+                except BaseException:
+                    task.cancel()
+                    raise
+
+        return self.loop.run_until_complete(guarded())
+
+    @contextlib.contextmanager
+    def bounded(self, what: str, timeout: float | None) -> Iterator[None]:
+        """Bound the `sglang.Engine` methods called inside (update_weights_from_tensor, release/resume_memory_
+        occupation): each ends in `self.sgl.loop.run_until_complete(...)`, so `sgl.loop` is swapped for a proxy
+        whose `run_until_complete` is `_run` with this deadline and the watch hook."""
+        real, engine = self.sgl.loop, self
+
+        class _BoundedLoop:
+            def __getattr__(self, name: str) -> Any:
+                return getattr(real, name)
+
+            def run_until_complete(self, aw: Any) -> Any:
+                return engine._run(aw, what, timeout)
+
+        self.sgl.loop = _BoundedLoop()
+        try:
+            yield
+        finally:
+            self.sgl.loop = real
+
+    def run_to_completion(self, timeout: float | None = None) -> list[RequestOutput]:
         """Run until every request finished; return all outputs not yet returned by `step`."""
         tasks = [t.task for t in self._tracked.values() if t.task is not None]
         if tasks:
-            self.loop.run_until_complete(asyncio.gather(*tasks))
+            self._run(asyncio.gather(*tasks), "run_to_completion", timeout)
         self._collect_done()
         out, self._finished = self._finished, []
         return out
@@ -221,7 +272,8 @@ class SGLangEngine(Engine):
                               num_total_blocks=self.max_total_num_tokens, block_size=1)
 
     # ---- export (recompute path) -------------------------------------------------------------------
-    def export_requests(self, request_ids: Iterable[str] | None = None) -> list[RequestState]:
+    def export_requests(self, request_ids: Iterable[str] | None = None,
+                        timeout: float | None = None) -> list[RequestState]:
         """Abort the requests and take the exact tokens/log-probs SGLang returns with the abort.
 
         No pause: a paused (`in_place`) scheduler never runs the step that retires aborted running
@@ -237,7 +289,7 @@ class SGLangEngine(Engine):
         for t in chosen:
             if not t.task.done():
                 tm.abort_request(rid=t.rid)
-        self.loop.run_until_complete(asyncio.gather(*(t.task for t in chosen)))
+        self._run(asyncio.gather(*(t.task for t in chosen)), "export_requests (abort)", timeout)
         states = []
         for t in chosen:
             if t.finish_reason == "abort" and (done := self._complete(t)):
@@ -265,25 +317,27 @@ class SGLangEngine(Engine):
     def free_exported(self) -> None:
         """Nothing to free: SGLang already released the KV of exported (aborted) requests."""
 
-    def abort_all(self) -> list[RequestOutput]:
+    def abort_all(self, timeout: float | None = None) -> list[RequestOutput]:
         self.sgl.tokenizer_manager.abort_request(abort_all=True)
-        return self.run_to_completion()
+        return self.run_to_completion(timeout)
 
     # ---- weights and memory ------------------------------------------------------------------------
-    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], timeout: float | None = None) -> None:
         """Full HF-named tensors; every rank's `weight_loader` keeps its shard (SGLang load_format=None)."""
-        with compat.weight_update_context(self.sgl):
+        with self.bounded("update_weights", timeout), compat.weight_update_context(self.sgl):
             ok, msg = self.sgl.update_weights_from_tensor(list(named_tensors))
         if not ok:
             raise RuntimeError(f"SGLang update_weights_from_tensor failed on {self.model_path} tp={self.tp_size}: "
                                f"{msg}")
 
-    def release(self, tags: Iterable[str] = ("weights", "kv_cache")) -> None:
+    def release(self, tags: Iterable[str] = ("weights", "kv_cache"), timeout: float | None = None) -> None:
         """Needs SGLang's memory saver (CUDA; launch with enable_memory_saver=True)."""
-        self.sgl.release_memory_occupation(list(tags))
+        with self.bounded("release", timeout):
+            self.sgl.release_memory_occupation(list(tags))
 
-    def resume(self, tags: Iterable[str] = ("weights", "kv_cache")) -> None:
-        self.sgl.resume_memory_occupation(list(tags))
+    def resume(self, tags: Iterable[str] = ("weights", "kv_cache"), timeout: float | None = None) -> None:
+        with self.bounded("resume", timeout):
+            self.sgl.resume_memory_occupation(list(tags))
 
     def shutdown(self) -> None:
         for t in self._tracked.values():

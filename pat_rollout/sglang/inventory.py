@@ -102,6 +102,12 @@ STATIC: tuple[Need, ...] = (
     _n("pool_hooks._install_output_path", "sglang.srt.server_args:PortArgs.tokenizer_ipc_name"),
     # sampling: every rank of a new replica reseeded alike (pool_switch._reseed); the tests' sampled-id log
     _n("pool_switch._reseed", "sglang.srt.utils:set_random_seed"),
+    # rank_rpc.call: the engine's RPC socket, read with a deadline (collective_rpc waits forever)
+    _n("rank_rpc.call", "sglang.srt.managers.io_struct:RpcReqInput + sglang.srt.managers.io_struct:RpcReqOutput"),
+    _n("compat.rpc_send / rpc_recv (0.5.23; 0.5.12 pickles)",
+       "sglang.srt.managers.io_struct:sock_send + sglang.srt.managers.io_struct:sock_recv",
+       "sglang.srt.managers.io_struct:RpcReqInput"),
+    _n("pool.pool_engine_args: a child's SIGQUIT must not kill the driver", f"{SA}.custom_sigquit_handler"),
     _n("debug_hooks.install (patched; tests only)", f"{SCHED}:Scheduler.process_batch_result"),
     # sampling: the `sampling_seed` key of every sampled request
     _n("engine.sglang_sampling_params (0.5.23: a msgspec field; 0.5.12: set in __init__)",
@@ -137,6 +143,7 @@ ENGINE: tuple[Need, ...] = (
     _n("engine.SGLangEngine: KV pool size", "engine:_scheduler_init_result.scheduler_infos"),
     _n("engine.SGLangEngine: its asyncio loop", "engine:loop"),
     _n("engine.SGLangEngine: aborts", "engine:tokenizer_manager"),
+    _n("rank_rpc.call: pat_* RPCs with a deadline", "engine:send_to_rpc"),
 )
 
 _RUNNER = "scheduler:tp_worker.model_runner"

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from pat_rollout.config import DTYPE_BYTES, PatRolloutConfig
-from pat_rollout.driver.errors import ReconfigurationError
+from pat_rollout.driver.errors import PoolBrokenError, ReconfigurationError, WorkerError
 from pat_rollout.driver.pool import Pool, ReconfigResult
 from pat_rollout.engine.base import EngineSnapshot, StepResult
 from pat_rollout.kv.cost import HandoffCost
@@ -92,12 +92,14 @@ def pool_engine_args(config: PatRolloutConfig, **overrides: Any) -> dict[str, An
     batch's result after the next iteration's input requests, i.e. after the switch). No CUDA graphs, decode
     or prefill (piecewise): they would capture the base layout's modules, which a switch replaces (recapture
     per layout is future work). `max_running_requests` per rank, i.e. per replica, as verl's SGLang server
-    passes its `max_num_seqs`. Imports sglang: call with the engine's environment set."""
+    passes its `max_num_seqs`. A SIGQUIT from a failed scheduler must not kill the driver's process
+    (`rank_rpc.child_failed`). Imports sglang: call with the engine's environment set."""
     from pat_rollout.sglang import compat
+    from pat_rollout.sglang.rank_rpc import child_failed
 
     kw: dict[str, Any] = dict(dtype=config.dtype, random_seed=config.seed, disable_overlap_schedule=True,
                               disable_cuda_graph=True, max_running_requests=config.max_num_seqs,
-                              **compat.prefill_graph_off_args())
+                              custom_sigquit_handler=child_failed, **compat.prefill_graph_off_args())
     kw.update(overrides)
     return kw
 
@@ -127,7 +129,12 @@ class SglPool(Pool):
         self.startup_s = time.perf_counter() - t0
         self.workdir = tempfile.mkdtemp(prefix="pat-sglpool-")
         self._replica: dict[str, int] = {}  # request id -> replica in the current layout
+        self._calls = 0  # RPCs so far: each gets its own status files
+        self._prefill_tokens = 0  # tokens submitted since the last step (its deadline covers their prefill)
+        self.pids: dict[int, int] = {}  # WORLD rank -> scheduler process id (dead-scheduler check)
         self._check_inventory()
+        self.pids = {i["rank"]: i["pid"] for i in self.info()}
+        self.client.watch = self._check_alive
         self._rpc("pat_backup_base")
         logger.info("SglPool up in %.1f s: %d SGLang ranks on %s, layout %s", self.startup_s, self.num_devices,
                     self.device, base)
@@ -142,15 +149,50 @@ class SglPool(Pool):
             self.shutdown()
             raise RuntimeError(inventory.error_message(moved, "checked on the live scheduler processes"))
 
-    def _rpc(self, method: str, **kw: Any) -> list[dict] | None:
-        """`collective_rpc` on every rank; methods taking `path` write one JSON per rank, returned in rank order."""
+    def _rpc(self, method: str, work_tokens: int = 0, **kw: Any) -> list[dict] | None:
+        """`method` on every rank, bounded by `config.rpc_deadline_s(work_tokens)` and by every scheduler being
+        alive (`rank_rpc.call`: a hung or dead rank is a WorkerError with unresponsive=True naming it). A rank
+        that raised is a WorkerError naming each failed rank and the phase it failed in. Methods taking `path`
+        write one JSON per rank, returned in rank order."""
+        from pat_rollout.sglang import rank_rpc
+
         asyncio.set_event_loop(self.client.loop)
+        self._calls += 1
+        status = os.path.join(self.workdir, f"{method}.{self._calls}")
         if "path" in kw:
-            kw["path"] = os.path.join(self.workdir, method)
-        self.client.sgl.collective_rpc(method, **kw)
+            kw["path"] = status
+        ok, message = rank_rpc.call(self.client.sgl, method, kw, status=status, num_ranks=self.num_devices,
+                                    deadline_s=self.config.rpc_deadline_s(work_tokens), check_alive=self._check_alive)
+        statuses = rank_rpc.read_statuses(status, self.num_devices)
+        failed = [r for r in range(self.num_devices) if not statuses.get(r, {"ok": False})["ok"]]
+        if failed:
+            raise WorkerError(f"SglPool RPC {method} failed: {rank_rpc.describe_failures(status, self.num_devices)}",
+                              failed)
+        if not ok:  # every rank wrote ok but SGLang says otherwise (e.g. an unknown method)
+            raise WorkerError(f"SglPool RPC {method} failed: rank 0 reported {message!r}", [0])
         if "path" not in kw:
             return None
-        return [json.loads(Path(f"{kw['path']}.rank{r}.json").read_text()) for r in range(self.num_devices)]
+        return [json.loads(Path(f"{status}.rank{r}.json").read_text()) for r in range(self.num_devices)]
+
+    def _check_alive(self, what: str) -> None:
+        """WorkerError(unresponsive) naming every scheduler rank whose process is gone (killed, crashed)."""
+        import psutil
+
+        dead = []
+        for rank, pid in sorted(self.pids.items()):
+            try:
+                if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
+                    dead.append(rank)
+            except psutil.NoSuchProcess:
+                dead.append(rank)
+        if dead:
+            raise WorkerError(f"SglPool {what}: the scheduler process of rank(s) {dead} died "
+                              f"(pids {[self.pids[r] for r in dead]})", dead, unresponsive=True)
+
+    def _engine_timeout(self, e: Exception, what: str, ranks: Iterable[int]) -> WorkerError:
+        ranks = sorted(ranks) or list(range(self.num_devices))
+        return WorkerError(f"SglPool {what}: {e} (PatRolloutConfig.rpc_deadline_s); scheduler rank(s) {ranks} "
+                           f"made no progress", ranks, unresponsive=True)
 
     def check_request(self, request: Request) -> None:
         prompt, spec = request.prompt_token_ids, self.spec
@@ -170,13 +212,21 @@ class SglPool(Pool):
         asyncio.set_event_loop(self.client.loop)
         for r, reqs in per_replica.items():
             self.client.add_requests(reqs, replica=r)
+            self._prefill_tokens += sum(len(q.prompt_token_ids) for q in reqs)
             self._replica.update({q.request_id: r for q in reqs})
 
     def step(self, replicas: Iterable[int], num_steps: int) -> dict[int, tuple[StepResult, EngineSnapshot]]:
         asyncio.set_event_loop(self.client.loop)
         replicas = list(replicas)
         before = self.client.output_lengths()
-        res = self.client.step(num_steps)
+        work = self._prefill_tokens + num_steps * len(before)
+        try:
+            res = self.client.step(num_steps, timeout=self.config.rpc_deadline_s(work))
+        except TimeoutError as e:  # engine.EngineTimeout
+            now = self.client.output_lengths()
+            stuck = {self._replica.get(rid, 0) for rid, n in before.items() if now.get(rid, n) == n}
+            raise self._engine_timeout(e, "decode step", [d for r in stuck for d in self.layout.groups[r]]) from e
+        self._prefill_tokens = 0
         after = self.client.output_lengths()
         snap = self.client.snapshot()
         out: dict[int, tuple[StepResult, EngineSnapshot]] = {}
@@ -197,7 +247,10 @@ class SglPool(Pool):
 
     def abort_all(self) -> list[RequestOutput]:
         asyncio.set_event_loop(self.client.loop)
-        outs = self.client.abort_all()
+        try:
+            outs = self.client.abort_all(timeout=self.config.rpc_deadline_s())
+        except TimeoutError as e:  # engine.EngineTimeout
+            raise self._engine_timeout(e, "abort", []) from e
         self._replica.clear()
         return outs
 
@@ -220,17 +273,32 @@ class SglPool(Pool):
         dst = self.layouts[dst_tp]
         result = ReconfigResult(src=src, dst=dst)
         t = time.perf_counter()
-        states = self.client.export_requests(None)  # abort; tokens + log-probs come back with the aborts
+        try:  # abort; tokens + log-probs come back with the aborts
+            states = self.client.export_requests(None, timeout=self.config.rpc_deadline_s())
+        except TimeoutError as e:  # engine.EngineTimeout
+            raise PoolBrokenError(f"SGLang switch {src} -> TP{dst_tp}, phase export: "
+                                  f"{self._engine_timeout(e, 'export (abort)', [])}") from e
         result.phase_s["export"] = time.perf_counter() - t
         new_assign = balance_states(states, dst.num_replicas)
         migrated = [s for s in states if self._method(s, dst) == "migrate"]
         moves = [[s.request_id, list(s.prompt_token_ids + s.output_token_ids), self._replica[s.request_id],
                   new_assign[s.request_id]] for s in migrated]
+        c = self.config
         try:
-            per_rank = self._rpc("pat_switch", dst_groups=[list(g) for g in dst.groups], moves=moves, path="")
+            per_rank = self._rpc("pat_switch", work_tokens=sum(len(m[1]) for m in moves),
+                                 dst_groups=[list(g) for g in dst.groups], moves=moves, path="",
+                                 transfer_timeout=[c.transfer_timeout_floor_s, c.transfer_min_bytes_per_s,
+                                                   c.comm_timeout_s])
         except Exception as e:
-            self._rollback(states)
-            err = ReconfigurationError(f"SGLang switch {src} -> TP{dst_tp} failed ({e}); rolled back to base layout "
+            what = f"SGLang switch {src} -> TP{dst_tp}"
+            if isinstance(e, WorkerError) and e.unresponsive:  # its later calls would queue behind the hang
+                raise PoolBrokenError(f"{what}: {e}; the pool cannot roll back and is broken") from e
+            try:
+                self._rollback(states)
+            except Exception as e2:
+                raise PoolBrokenError(f"{what} failed ({e}), and rolling back to the base layout {self.base} "
+                                      f"failed ({e2}); the pool is broken") from e2
+            err = ReconfigurationError(f"{what} failed ({e}); rolled back to base layout "
                                        f"{self.base}, {len(states)} unfinished requests resubmitted for recomputation")
             err.assignment = {rid: self._replica[rid] for rid in assignment if rid in self._replica}
             raise err from e
@@ -265,6 +333,7 @@ class SglPool(Pool):
             by_replica.setdefault(assign[s.request_id], []).append(s)
         for r, ss in sorted(by_replica.items()):
             self.client.import_requests(ss, replica=r)
+            self._prefill_tokens += sum(s.num_tokens for s in ss)
             self._replica.update({s.request_id: r for s in ss})
 
     def _rollback(self, states: list[RequestState]) -> None:
@@ -277,7 +346,10 @@ class SglPool(Pool):
         asyncio.set_event_loop(self.client.loop)
         if self.layout != self.base:
             raise RuntimeError(f"update_weights in layout {self.layout}; return to the base layout {self.base} first")
-        self.client.update_weights(named_tensors)
+        try:
+            self.client.update_weights(named_tensors, timeout=self.config.rpc_deadline_s())
+        except TimeoutError as e:  # engine.EngineTimeout
+            raise self._engine_timeout(e, "update_weights", []) from e
         self._rpc("pat_backup_base")
 
     def release(self, tags: list[str]) -> None:
@@ -286,13 +358,19 @@ class SglPool(Pool):
             logger.debug("SglPool.release(%s): no memory saver (CPU or enable_memory_saver=False), kept", tags)
             return
         asyncio.set_event_loop(self.client.loop)
-        self.client.release(tags)
+        try:
+            self.client.release(tags, timeout=self.config.rpc_deadline_s())
+        except TimeoutError as e:  # engine.EngineTimeout
+            raise self._engine_timeout(e, "release", []) from e
 
     def resume(self, tags: list[str]) -> None:
         if not self.memory_saver:
             return
         asyncio.set_event_loop(self.client.loop)
-        self.client.resume(tags)
+        try:
+            self.client.resume(tags, timeout=self.config.rpc_deadline_s())
+        except TimeoutError as e:  # engine.EngineTimeout
+            raise self._engine_timeout(e, "resume", []) from e
 
     def info(self) -> list[dict[str, Any]]:
         return self._rpc("pat_pool_info", path="")
@@ -301,13 +379,14 @@ class SglPool(Pool):
         """Every rank's live SGLang parameters (its shard in the current layout), index = WORLD rank."""
         import torch
 
-        asyncio.set_event_loop(self.client.loop)
-        self.client.sgl.collective_rpc("pat_save_params", path=path)
+        self._rpc("pat_save_params", save_path=path)
         return [torch.load(f"{path}.rank{r}.pt", weights_only=False) for r in range(self.num_devices)]
 
-    def fail_next(self, phase: str | None) -> None:
-        """Test hook: every rank raises in switch phase `phase` (export, kv, reshard, switch) of the next switch."""
-        self._rpc("pat_fail_next", phase=phase)
+    def fail_next(self, phase: str | None, rank: int | None = None, hang_s: float = 0.0) -> None:
+        """Test hook: rank `rank` (None: every rank) raises in phase `phase` of the next switch (export, kv,
+        reshard, switch = rebuild, import: `rank_rpc.FAULT_PHASES`) or of the next rollback ("rollback"),
+        after hanging `hang_s` seconds if given (a hung scheduler)."""
+        self._rpc("pat_fail_next", phase=phase, rank=rank, hang_s=hang_s)
 
     def shutdown(self) -> None:
         asyncio.set_event_loop(self.client.loop)

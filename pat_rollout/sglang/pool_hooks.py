@@ -57,7 +57,8 @@ class PoolState:
     layouts: dict[int, tuple[tuple[int, ...], ...]]
     coordinators: dict[int, Any] = field(default_factory=dict)  # tp -> GroupCoordinator (tp != world)
     backup: dict[str, torch.Tensor] | None = None  # host copy of the base layout's params (rollback)
-    fail_next: str | None = None  # fault injection for tests: a switch phase name
+    fail_next: tuple[str, int | None, float] | None = None  # tests: (phase, rank or None = all, hang_s)
+    transport_group: Any = None  # pat_rollout's gloo group for KV / weight transfers (pool_switch._transport)
     switches: int = 0  # pat_switch / pat_restore_base calls so far (every rank runs each): seeds the sampler RNG
 
     @property

@@ -21,6 +21,7 @@ chosen for recomputation are prefilled in full. Results come back as JSON files 
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import time
@@ -34,7 +35,7 @@ from pat_rollout.layout.layout import Layout
 from pat_rollout.layout.shard import kv_heads_for_rank
 from pat_rollout.layout.transition import plan_weights
 from pat_rollout.reshard.apply import reshard_local
-from pat_rollout.sglang import compat, pool_hooks
+from pat_rollout.sglang import compat, pool_hooks, rank_rpc
 from pat_rollout.sglang.live_model import _hf_config_dict, rebuild_model_for_current_tp, sglang_specs
 from pat_rollout.types import ModelSpec
 
@@ -45,18 +46,34 @@ def _world():
     return get_world_group()
 
 
-def _transport():
-    from pat_rollout.comm.transport import GlooTransport
+def _transport(timeout: list[float]):
+    """A GlooTransport over pat_rollout's own gloo group of all ranks, created on first use (every rank runs
+    pat_switch, so every rank creates it together) and dropped by every rollback: a failed rank aborts it
+    (`GlooTransport.abort` closes its pairs so a blocked peer fails at once), which leaves it unusable, and
+    SGLang's own groups must never be the ones closed. Each `run()` waits at most floor + bytes / rate."""
+    import torch.distributed as dist
 
-    world = _world()
-    return GlooTransport(group=world.device_group, device_to_group_rank={r: r for r in range(world.world_size)})
+    from pat_rollout.comm.transport import GlooTransport, TransferTimeout
+
+    st = pool_hooks.STATE
+    if st.transport_group is None:
+        st.transport_group = dist.new_group(list(range(st.world)), backend="gloo")
+    floor_s, rate, max_s = timeout
+    return GlooTransport(group=st.transport_group, device_to_group_rank={r: r for r in range(st.world)},
+                         timeout=TransferTimeout(floor_s=floor_s, min_bytes_per_s=rate, max_s=max_s))
 
 
 def _maybe_fail(phase: str) -> None:
+    """Test hook (`pat_fail_next`): raise, or hang `hang_s` and then raise, on the armed rank (or every rank)."""
+    rank_rpc.enter(phase)
     st = pool_hooks.STATE
-    if st.fail_next == phase:
-        st.fail_next = None
-        raise RuntimeError(f"injected failure in SglPool switch phase {phase!r} on rank {st.rank}")
+    if st.fail_next is None or st.fail_next[0] != phase or st.fail_next[1] not in (None, st.rank):
+        return
+    hang_s = st.fail_next[2]
+    st.fail_next = None
+    if hang_s:
+        time.sleep(hang_s)
+    raise RuntimeError(f"injected failure in SglPool switch phase {phase!r} on rank {st.rank}")
 
 
 def _check_idle(self) -> None:
@@ -145,11 +162,44 @@ def _reinit_attention(self) -> None:
         compat.reinit_attention(self.tp_worker)
 
 
-def pat_switch(self, dst_groups: list[list[int]], moves: list[list[Any]], path: str) -> None:
+def pat_switch(self, dst_groups: list[list[int]], moves: list[list[Any]], path: str,
+               transfer_timeout: list[float]) -> None:
     """Switch this rank to layout `dst_groups`. `moves`: [request_id, tokens, src_replica, dst_replica] of every
-    request chosen for KV migration (tokens = prompt + generated so far)."""
+    request chosen for KV migration (tokens = prompt + generated so far). `transfer_timeout`: [floor_s,
+    min_bytes_per_s, max_s] of every transfer (`TransferTimeout`). An exception leaves with `pat_phase` naming
+    the phase; a failure in a transfer phase aborts the transport first, so no peer stays blocked on it."""
     st = pool_hooks.STATE
     st.switches += 1  # first, before any failure point: every rank counts every switch and rollback
+    transport = _transport(transfer_timeout)
+    state = {"phase": "export"}
+    try:
+        _switch(self, state, transport, dst_groups, moves, path)
+    except BaseException as e:
+        if state["phase"] in ("kv", "reshard"):
+            transport.abort()
+        with contextlib.suppress(AttributeError):
+            e.pat_phase = state["phase"]
+        raise
+
+
+def _agree(error: Exception | None, what: str, payload: Any) -> list[Any]:
+    """all_gather_object of every rank's payload, or its error, over the WORLD's CPU group; if any rank failed,
+    every rank raises (the failed one its own error), so no rank is left waiting in a later collective for one
+    that left. Returns the payloads in rank order."""
+    st = pool_hooks.STATE
+    got: list[Any] = [None] * st.world
+    mine = (True, payload) if error is None else (False, f"{type(error).__name__}: {error}")
+    torch.distributed.all_gather_object(got, mine, group=_world().cpu_group)
+    if error is not None:
+        raise error
+    if bad := [r for r, (good, _) in enumerate(got) if not good]:
+        raise RuntimeError(f"rank {st.rank}: {what} failed on rank(s) {bad}: {[got[r][1] for r in bad]}")
+    return [p for _, p in got]
+
+
+def _switch(self, state: dict[str, str], transport, dst_groups: list[list[int]], moves: list[list[Any]],
+            path: str) -> None:
+    st = pool_hooks.STATE
     src, dst = Layout(st.groups), Layout(tuple(tuple(g) for g in dst_groups))
     rank, runner = st.rank, self.tp_worker.model_runner
     hf = _hf_config_dict(self)
@@ -157,13 +207,17 @@ def pat_switch(self, dst_groups: list[list[int]], moves: list[list[Any]], path: 
     pool = _kv_pool(self)
     phase: dict[str, float] = {}
     t = time.perf_counter()
-    _check_idle(self)
-    _maybe_fail("export")
-    # 1. what the old replica holds of each migrated request
+    # 1. what the old replica holds of each migrated request; a rank failing here tells the others
     src_groups = {m[0]: src.groups[m[2]] for m in moves}
-    held = {m[0]: compat.prefix_indices(self.tree_cache, m[1]) for m in moves if rank in src_groups[m[0]]}
-    lens: list[dict[str, int]] = [{}] * st.world
-    torch.distributed.all_gather_object(lens, {rid: len(ix) for rid, ix in held.items()}, group=_world().cpu_group)
+    held: dict[str, torch.Tensor] = {}
+    error = None
+    try:
+        _check_idle(self)
+        _maybe_fail("export")
+        held = {m[0]: compat.prefix_indices(self.tree_cache, m[1]) for m in moves if rank in src_groups[m[0]]}
+    except Exception as e:
+        error = e
+    lens = _agree(error, "export", {rid: len(ix) for rid, ix in held.items()})
     cached = {m[0]: min(lens[r][m[0]] for r in src_groups[m[0]]) for m in moves}
     kv_moves = [(m[0], src.groups[m[2]], dst.groups[m[3]], cached[m[0]]) for m in moves if cached[m[0]] > 0]
     plan = plan_kv(kv_moves, num_kv_heads)
@@ -172,6 +226,7 @@ def pat_switch(self, dst_groups: list[list[int]], moves: list[list[Any]], path: 
 
     # 2. KV hand-off
     t = time.perf_counter()
+    state["phase"] = "kv"
     _maybe_fail("kv")
 
     def export_fn(rid: str, heads: tuple[int, int]) -> torch.Tensor:
@@ -180,12 +235,13 @@ def pat_switch(self, dst_groups: list[list[int]], moves: list[list[Any]], path: 
         return torch.stack([torch.stack([pool.k_buffer[layer][ix, lo:hi], pool.v_buffer[layer][ix, lo:hi]])
                             for layer in range(len(pool.k_buffer))])
 
-    incoming = gather_kv(plan, rank, export_fn, _transport(), num_layers=len(pool.k_buffer), head_dim=pool.head_dim,
+    incoming = gather_kv(plan, rank, export_fn, transport, num_layers=len(pool.k_buffer), head_dim=pool.head_dim,
                          dtype=pool.k_buffer[0].dtype, device=pool.k_buffer[0].device)
     phase["kv_handoff"] = time.perf_counter() - t
 
     # 3-4. flush, reshard in place, rebuild the modules for the new layout
     t = time.perf_counter()
+    state["phase"] = "reshard"
     _flush(self)
     _maybe_fail("reshard")
     old = runner.model
@@ -197,11 +253,12 @@ def pat_switch(self, dst_groups: list[list[int]], moves: list[list[Any]], path: 
     # Every new shard (a shrink's receive buffers, a grow's compacted storage: resize_ reallocates) is
     # allocated inside the weights region, so verl's release_memory_occupation frees it like the loaded ones.
     with torch.no_grad(), compat.weights_region(self.server_args, runner):
-        new_params = reshard_local(sharded, wplan, rank, _transport())
+        new_params = reshard_local(sharded, wplan, rank, transport)
     in_place = sum(1 for n in sharded if new_params[n] is named[n])
     phase["reshard"] = time.perf_counter() - t
 
     t = time.perf_counter()
+    state["phase"] = "switch"
     _maybe_fail("switch")
     st.groups = dst.groups
     with compat.weights_region(self.server_args, runner):
@@ -210,6 +267,8 @@ def pat_switch(self, dst_groups: list[list[int]], moves: list[list[Any]], path: 
     _reshape_kv_pool(pool, hi - lo)
     tokens = {m[0]: m[1] for m in moves}
     _reinit_attention(self)
+    state["phase"] = "import"
+    _maybe_fail("import")
     for rid, kv in incoming.items():
         _insert_prefix(self, pool, tokens[rid], kv)
     phase["reseed"] = _reseed(self)
@@ -225,6 +284,9 @@ def pat_restore_base(self, path: str) -> None:
     """Rollback after a failed switch: base-layout weights from the host backup, base KV pool, empty cache."""
     st = pool_hooks.STATE
     st.switches += 1
+    st.transport_group = None  # a failed switch may have closed it: the next switch creates a fresh one
+    rank_rpc.enter("rollback")
+    _maybe_fail("rollback")
     runner = self.tp_worker.model_runner
     _flush(self)
     base = Layout(st.base)
@@ -248,8 +310,12 @@ def pat_backup_base(self) -> None:
     st.backup = {n: p.detach().to("cpu", copy=True) for n, p in self.tp_worker.model_runner.model.named_parameters()}
 
 
-def pat_fail_next(self, phase: str | None) -> None:
-    pool_hooks.STATE.fail_next = phase
+def pat_fail_next(self, phase: str | None, rank: int | None = None, hang_s: float = 0.0) -> None:
+    """Test hook: the next `phase` (rank_rpc.FAULT_PHASES, or "rollback") on `rank` (None: every rank) raises,
+    after hanging `hang_s` seconds if given."""
+    if phase is not None and phase not in (*rank_rpc.FAULT_PHASES, "rollback"):
+        raise ValueError(f"pat_fail_next: phase={phase!r} is not one of {rank_rpc.FAULT_PHASES + ('rollback',)}")
+    pool_hooks.STATE.fail_next = None if phase is None else (phase, rank, float(hang_s))
 
 
 def pat_pool_info(self, path: str) -> None:

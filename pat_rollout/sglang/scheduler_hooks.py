@@ -20,13 +20,14 @@ from pat_rollout.sglang import compat
 from pat_rollout.sglang.live_model import _hf_config_dict, _model, _padded_vocab
 
 
-def pat_save_params(self, path: str) -> None:
-    """Write this rank's named parameters (SGLang names, local shards) and layout facts to `path.rank{r}.pt`."""
+def pat_save_params(self, save_path: str) -> None:
+    """Write this rank's named parameters (SGLang names, local shards) and layout facts to
+    `save_path.rank{r}.pt`."""
     model = _model(self)
     params = {n: p.detach().clone() for n, p in model.named_parameters()}
     tp_rank, tp_size = compat.tp_rank_size()
     info = dict(tp_rank=tp_rank, tp_size=tp_size, padded_vocab=_padded_vocab(self), hf_config=_hf_config_dict(self))
-    torch.save(dict(params=params, info=info), f"{path}.rank{tp_rank}.pt")
+    torch.save(dict(params=params, info=info), f"{save_path}.rank{tp_rank}.pt")
 
 
 def pat_check_inventory(self, path: str) -> None:
@@ -48,11 +49,11 @@ RPC_METHODS = {f.__name__: f for f in (pat_save_params, pat_check_inventory)}
 def install() -> None:
     from sglang.srt.managers.scheduler import Scheduler
 
-    from pat_rollout.sglang import debug_hooks, memory_spy, pool_hooks, pool_switch
+    from pat_rollout.sglang import debug_hooks, memory_spy, pool_hooks, pool_switch, rank_rpc
 
     compat.apply_cpu_workarounds()
     for name, fn in {**RPC_METHODS, **pool_switch.RPC_METHODS, **memory_spy.RPC_METHODS}.items():
-        setattr(Scheduler, name, fn)
+        setattr(Scheduler, name, rank_rpc.reporting(fn))  # each rank writes how it ended (SglPool._rpc)
     pool_hooks.install()
     debug_hooks.install()  # tests only: PAT_SGLANG_SAMPLED_LOG
     memory_spy.install()  # tests only: PAT_SGLANG_MEMORY_SPY
