@@ -44,40 +44,46 @@ class MixedSchedulePolicy:
         return Batch(actions=tuple(due)) if due else None
 
 
-def longest_moves(sim: MixedSim, start: int, size: int) -> tuple[tuple[str, ...], tuple[tuple[str, int], ...]]:
+def longest_moves(sim: MixedSim, start: int, size: int,
+                  share: float = 1.0) -> tuple[tuple[str, ...], tuple[tuple[str, int], ...]]:
     """The oracle's "longest to the merged group" for merging (start, size) with its buddy: the top are the
-    ceil(unfinished * 2 * size / N) requests with the most tokens still to generate (true lengths: hindsight).
+    ceil(unfinished * share * 2 * size / N) requests with the most tokens still to generate (true lengths:
+    hindsight; share 1: the merged group's share of the devices).
     Returns (pull: the top ones elsewhere, push: the buddies' other requests, each sent to the other block with
     the fewest context tokens per device so far, longest context first)."""
     i, j = sim.blocks.index((start, size)), sim.blocks.index((start + size, size))
     left = sorted(((r.length - r.g, r.rid, k, r.prompt_len + r.g) for k, rep in enumerate(sim.replicas)
                    for r in (*rep.running, *rep.waiting)), reverse=True)
-    n_top = math.ceil(len(left) * 2 * size / sim.num_devices)
+    n_top = math.ceil(len(left) * share * 2 * size / sim.num_devices)
     pull = tuple(sorted(rid for _, rid, k, _ in left[:n_top] if k not in (i, j)))
     others = [k for k in range(len(sim.blocks)) if k not in (i, j)]
     load = {k: sum(r.prompt_len + r.g for r in (*sim.replicas[k].running, *sim.replicas[k].waiting)
                    if r.rid not in pull) for k in others}
     push = []
-    for _, rid, _, ctx in sorted((x for x in left[n_top:] if x[2] in (i, j)), key=lambda x: (-x[3], x[1])):
+    for _, rid, _, ctx in [] if not others else sorted((x for x in left[n_top:] if x[2] in (i, j)), key=lambda x: (-x[3], x[1])):
         k = min(others, key=lambda k: (load[k] / sim.blocks[k][1], k))
         load[k] += ctx
         push.append((rid, sim.blocks[k][0]))
     return pull, tuple(sorted(push))
 
 
+SHARES = (1.0, 0.25)  # how many of the longest a merged group takes, as a share of its share of the devices
+
+
 def candidates(sim: MixedSim) -> list[Any]:
     """Every buddy action on the current layout: each merge of two buddies (as is; pulling the longest requests
-    in; and swapping: the longest in, the buddies' others out, `longest_moves`) and each split of a block of two
-    or more devices."""
+    in; and swapping: the longest in, the buddies' others out, `longest_moves`, for each of SHARES) and each split
+    of a block of two or more devices."""
     out: list[Any] = []
     for start, size in sim.blocks:
         if start % (2 * size) == 0 and (start + size, size) in sim.blocks:
             out.append(Merge(start=start, size=size))
-            pull, push = longest_moves(sim, start, size)
-            if pull:
-                out.append(Merge(start=start, size=size, pull=pull))
-            if push and len(sim.blocks) > 2:
-                out.append(Merge(start=start, size=size, pull=pull, push=push))
+            for share in SHARES:
+                pull, push = longest_moves(sim, start, size, share)
+                if pull:
+                    out.append(Merge(start=start, size=size, pull=pull))
+                if push and len(sim.blocks) > 2:
+                    out.append(Merge(start=start, size=size, pull=pull, push=push))
         if size >= 2:
             out.append(Split(start=start, size=size))
     return out
