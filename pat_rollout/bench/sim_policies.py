@@ -11,6 +11,9 @@ variant's profile whatever the truth is. The oracle is the search of sim.policie
 shrink, up to 3 switches, refined on a fine grid of switch points); a row where PAT beats it is flagged PAT<ORACLE.
 PAT is the planner as configured by default (PlannerConfig.estimator="drain"); the "la" columns run the same
 planner with estimator="lookahead" (--no-lookahead skips them), flagged LA<ORACLE where it beats the oracle.
+--mixed adds the mixed oracle over buddy layouts (sim.mixed_oracle, issue #26: merge/split of aligned
+power-of-two blocks, only the regrouped block pausing) beside the uniform one, and issue #26's decision: build
+mixed layouts for real if mixed / uniform oracle <= 0.98 at the median or <= 0.95 on any row.
 """
 
 from __future__ import annotations
@@ -48,18 +51,26 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-oracle", action="store_true")
     ap.add_argument("--no-lookahead", action="store_true", help="skip the PAT lookahead columns")
+    ap.add_argument("--mixed", action="store_true", help="add the mixed (buddy layout) oracle column (slow)")
+    ap.add_argument("--mixed-passes", type=int, default=2, help="mixed oracle: buddy actions added per seed")
+    ap.add_argument("--mixed-beam", type=int, default=1, help="mixed oracle: schedules scanned per later pass")
+    ap.add_argument("--traces", default="", help="comma-separated trace names to run (default: all)")
     args = ap.parse_args(argv)
     cfg = PlannerConfig(candidate_tps=(1, 2, 4, 8))
     t_all = time.perf_counter()
     trs = traces(args.lengths, args.seed)
+    if args.traces:
+        trs = [(n, t) for n, t in trs if n in args.traces.split(",")]
+    mixed = {"passes": args.mixed_passes, "beam": args.mixed_beam} if args.mixed else None
     print("SIMULATED (published-figure profiles, see README 'Performance: measured and simulated'); "
           f"{args.num_devices} GPUs, mem fraction 0.6, GRPO groups of 8; ratios < 1: PAT faster")
     la = not args.no_lookahead
     hdr = (f"{'model':<10} {'gpu':<4} {'variant':<7} {'trace':<16} {'mean':>5} {'best static':>13} {'verl tp2':>8} "
            f"{'pat_s':>7} {'oracle':>7} {'pat/best':>8} {'pat/verl':>8} {'pat/orc':>7} {'tail%':>5}"
-           + (f" {'la/best':>7} {'la/orc':>7}" if la else "") + "  pat layouts" + (" | la layouts" if la else ""))
+           + (f" {'la/best':>7} {'la/orc':>7}" if la else "") + (f" {'mixed':>7} {'mix/orc':>7}" if mixed else "")
+           + "  pat layouts" + (" | la layouts" if la else "") + (" | mixed layouts" if mixed else ""))
     ratios: dict[str, list[float]] = {k: [] for k in ("PAT / best static", "PAT / oracle", "PAT lookahead / best static",
-                                                      "PAT lookahead / oracle")}
+                                                      "PAT lookahead / oracle", "Mixed oracle / uniform oracle")}
     for model in args.models.split(","):
         for gpu in args.gpus.split(","):
             print("\n" + hdr)
@@ -67,7 +78,7 @@ def main(argv: list[str] | None = None) -> None:
                 hw, planner_model = gpu_setup(gpu, model, variant)
                 for name, trace in trs:
                     cmp = compare(hw, planner_model, trace, num_devices=args.num_devices, planner_config=cfg,
-                                  with_oracle=not args.no_oracle, with_lookahead=la)
+                                  with_oracle=not args.no_oracle, with_lookahead=la, mixed=mixed)
                     by, best = cmp.by(), cmp.best_static()
                     pat = by["pat"]
                     orc_s = by["oracle"].latency_s if "oracle" in by else None
@@ -91,6 +102,11 @@ def main(argv: list[str] | None = None) -> None:
                             flag += "  PAT<ORACLE" if key == "pat" else "  LA<ORACLE"
                     la_cols = f" {cols['pat-lookahead']}{cols['pat-lookahead/orc']}" if la else ""
                     la_layouts = f" | {by['pat-lookahead'].layouts_str()}" if la else ""
+                    if mixed:
+                        rm = by["mixed-oracle"].latency_s / by["oracle"].latency_s
+                        ratios["Mixed oracle / uniform oracle"].append(rm)
+                        la_cols += f" {by['mixed-oracle'].latency_s:>7.1f} {rm:>7.3f}"
+                        la_layouts += f" | {by['mixed-oracle'].layouts_str()}"
                     print(f"{model:<10} {gpu:<4} {variant:<7} {name:<16} {trace.stats()['mean']:>5.0f} "
                           f"{best.policy[7:] + f' {best.latency_s:.1f}':>13} {verl:>8.1f} {pat.latency_s:>7.1f} "
                           f"{orc} {cols['pat']}{pat.latency_s / verl:>8.3f} {cols['pat/orc']} "
@@ -100,6 +116,11 @@ def main(argv: list[str] | None = None) -> None:
         if xs:
             print(f"{label}: {len(xs)} rows, median {statistics.median(xs):.3f}, worst {max(xs):.3f}, best "
                   f"{min(xs):.3f}, within 2%: {sum(x <= 1.02 for x in xs)}, below 1: {sum(x < 1.0 for x in xs)}")
+    xs = ratios["Mixed oracle / uniform oracle"]
+    if xs:
+        build = statistics.median(xs) <= 0.98 or min(xs) <= 0.95
+        print(f"Issue #26 decision: mixed / uniform oracle median {statistics.median(xs):.3f}, best {min(xs):.3f} "
+              f"-> {'build mixed layouts for real' if build else 'do not build (below the 2% median / 5% row bar)'}")
     print(f"\n(simulated in {time.perf_counter() - t_all:.0f}s; tail% = share of PAT's stage after 90% of responses "
           "finished)")
 

@@ -15,7 +15,8 @@ from pat_rollout.planner.lookahead import EngineSpec
 from pat_rollout.planner.policy import Planner, PlannerConfig
 from pat_rollout.profile.model import LatencyModel
 from pat_rollout.sim.hardware import SimHardware
-from pat_rollout.sim.policies import PlannerPolicy, StaticPolicy, oracle, run_policy
+from pat_rollout.sim.mixed_oracle import mixed_oracle
+from pat_rollout.sim.policies import PlannerPolicy, StaticPolicy, oracle_search, run_policy
 from pat_rollout.sim.simulator import SimResult
 from pat_rollout.sim.traces import Trace
 
@@ -60,9 +61,11 @@ def engine_spec(hw: SimHardware) -> EngineSpec:
 
 def compare(hw: SimHardware, planner_model: LatencyModel, trace: Trace, *, num_devices: int,
             planner_config: PlannerConfig, initial_tp: int = 1, verl_tp: int = VERL_DEFAULT_TP,
-            with_oracle: bool = True, with_lookahead: bool = False) -> Comparison:
+            with_oracle: bool = True, with_lookahead: bool = False, mixed: dict | None = None) -> Comparison:
     """static-tp<x> for each candidate tp that divides num_devices, pat (planner_config as given), with_lookahead:
-    pat-lookahead (the same config with estimator="lookahead"), and the oracle."""
+    pat-lookahead (the same config with estimator="lookahead"), and the oracle; `mixed` (keyword arguments of
+    sim.mixed_oracle.mixed_oracle, e.g. {} or {"passes": 1}): the mixed oracle over buddy layouts too, seeded
+    with the uniform oracle's schedule."""
     tps = sorted(tp for tp in planner_config.candidate_tps if num_devices % tp == 0)
     handoff = handoff_cost(planner_model)
     out = [run_policy(hw, trace, StaticPolicy(tp), num_devices=num_devices) for tp in tps]
@@ -73,8 +76,12 @@ def compare(hw: SimHardware, planner_model: LatencyModel, trace: Trace, *, num_d
         planner = Planner(planner_model, cfg, engine=engine_spec(hw))
         out.append(run_policy(hw, trace, PlannerPolicy(planner, initial_tp, trace, name=name),
                               num_devices=num_devices, handoff=handoff))
-    if with_oracle:
-        out.append(oracle(hw, trace, num_devices=num_devices, tps=tps, handoff=handoff))
+    if with_oracle or mixed is not None:
+        uniform = oracle_search(hw, trace, num_devices=num_devices, tps=tps, handoff=handoff)
+        out.append(uniform[0])
+        if mixed is not None:
+            out.append(mixed_oracle(hw, trace, num_devices=num_devices, tps=tps, handoff=handoff, uniform=uniform,
+                                    **mixed))
     return Comparison(results=tuple(out), verl_tp=verl_tp)
 
 

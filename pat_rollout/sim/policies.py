@@ -181,7 +181,15 @@ def fine_points(n: int, grid: int) -> list[int]:
 
 def oracle(hw: SimHardware, trace: Trace, *, num_devices: int, tps: Sequence[int], max_switches: int = 3,
            handoff: HandoffCost | None = None, grid: int = 16, passes: int = 3) -> SimResult:
-    """The best regrouping schedule this search finds in hindsight: simulated on the truth (it knows every length
+    """`oracle_search`'s best result."""
+    return oracle_search(hw, trace, num_devices=num_devices, tps=tps, max_switches=max_switches, handoff=handoff,
+                         grid=grid, passes=passes)[0]
+
+
+def oracle_search(hw: SimHardware, trace: Trace, *, num_devices: int, tps: Sequence[int], max_switches: int = 3,
+                  handoff: HandoffCost | None = None, grid: int = 16,
+                  passes: int = 3) -> tuple[SimResult, int, tuple[tuple[int, int], ...]]:
+    """(result, start tp, switches as SwitchPolicy takes them) of the best regrouping schedule this search finds in hindsight: simulated on the truth (it knows every length
     through it). Schedules switch the whole pool at the poll where the unfinished count first drops to a point.
 
     Search, in two phases (branches share their prefix by cloning the simulation):
@@ -254,7 +262,7 @@ def oracle(hw: SimHardware, trace: Trace, *, num_devices: int, tps: Sequence[int
             scan(tp0, rest, pts, lambda c, now, tp_k=tp_k: (tp_k,))
         if best[0][0] >= before:
             break
-    return best[0][3]
+    return best[0][3], best[0][1], best[0][2]
 
 
 def run_policy(hw: SimHardware, trace: Trace, policy, *, num_devices: int, handoff: HandoffCost | None = None,

@@ -352,13 +352,14 @@ class Sim:
             cost += rc.kv_latency_s + max(migrate_bytes.values()) / self.tp / rc.kv_bytes_per_s
         return cost
 
-    def _phase_s(self, src: int, dst: int, migrate_bytes: float) -> float:
-        """True time of the phases of one reconfiguration src -> dst moving `migrate_bytes` of KV."""
+    def _phase_s(self, src: int, dst: int, migrate_bytes: float, devices: int | None = None) -> float:
+        """True time of the phases of one reconfiguration src -> dst moving `migrate_bytes` of KV over `devices`
+        devices (default the whole pool; a buddy merge or split passes its block's)."""
         rc = self.hw.reconfig
         w = self.hw.param_bytes
         cost = rc.fixed_s + rc.reshard_fixed_s + max(0.0, w / dst - w / src) / rc.reshard_bytes_per_s + rc.switch_s
         if migrate_bytes > 0:
-            cost += rc.kv_latency_s + migrate_bytes / self.num_devices / rc.kv_bytes_per_s
+            cost += rc.kv_latency_s + migrate_bytes / (devices or self.num_devices) / rc.kv_bytes_per_s
         return cost
 
     def _migrates(self, r: SimReq, tp: int) -> bool:
