@@ -1,8 +1,9 @@
 """Buddy layouts in the simulator (issue #26): every TP group an aligned power-of-two block of devices; an action
 merges two buddy blocks or splits one, and only that block's devices pause for the switch. Pure stdlib.
 
-`MixedSim` is `Sim` plus two actions (`Merge`, `Split`) and `Batch` (several actions at one poll, for replayed
-schedules). While its layout is uniform it is `Sim` itself, line for line (a uniform `Reconfigure` is Sim's); a
+`MixedSim` is `Sim` plus two actions (`Merge`, `Split`; Sim's `Batch` runs several at one poll, for replayed
+schedules, skipping those that no longer apply). Rebalances (`Rebalance`, the oracle's `HindsightRebalance`) run
+only while the layout is uniform. While its layout is uniform it is `Sim` itself, line for line (a uniform `Reconfigure` is Sim's); a
 whole-pool `Reconfigure` from a mixed layout pays Sim's phases with the smallest block as the source TP (the
 largest weight share any device loads). Mixed actions need the free-running driver (lockstep=False, SGLang
 servers): there each replica has its own clock, so the devices outside the regrouped block keep decoding while
@@ -18,7 +19,9 @@ from typing import Any
 from pat_rollout.planner.balance import balance
 from pat_rollout.planner.state import Decision
 from pat_rollout.sim.replica import Replica, SimReq
-from pat_rollout.sim.simulator import Reconfigure, Sim, SimResult
+from pat_rollout.sim.simulator import Batch, HindsightRebalance, Rebalance, Reconfigure, Sim, SimResult
+
+__all__ = ["Batch", "Merge", "MixedResult", "MixedSim", "Split", "buddy_groups", "is_buddy"]
 
 
 def is_buddy(start: int, size: int) -> bool:
@@ -61,14 +64,6 @@ class Split:
     start: int
     size: int
     decision: Decision | None = None
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class Batch:
-    """Several actions applied in order at one poll (a replayed schedule with two entries due at once); one that no
-    longer applies to the layout when its turn comes (`MixedSim.applies`) is skipped."""
-
-    actions: tuple[Any, ...]
 
 
 @dataclass(kw_only=True, slots=True)
@@ -128,6 +123,8 @@ class MixedSim(Sim):
                     and all(self.where.get(rid) in here and dst in starts for rid, dst in action.push))
         if isinstance(action, Split):
             return action.size >= 2 and (action.start, action.size) in self.blocks
+        if isinstance(action, (Rebalance, HindsightRebalance)):
+            return self.tp != 0  # Sim's rebalance pauses and moves at one TP
         return True
 
     def _index(self, start: int, size: int) -> int:
@@ -238,13 +235,13 @@ class MixedSim(Sim):
         if action.decision is not None:
             self.decisions.append(action.decision)
 
-    def _batch(self, action: Batch) -> None:
-        for a in action.actions:
-            if self.applies(a):  # a replayed entry the layout no longer has (an inserted action changed it)
-                self.apply(a)
+    def _rebalance(self, action: Rebalance) -> None:
+        if not self.tp:
+            raise ValueError(f"rebalance in mixed layout {self.sizes()}: rebalances run on uniform layouts only")
+        Sim._rebalance(self, action)
 
     ACTIONS: dict[type, Callable[[Sim, Any], None]] = {**Sim.ACTIONS, Reconfigure: _reconfigure, Merge: _merge,
-                                                       Split: _split, Batch: _batch}
+                                                       Split: _split, Rebalance: _rebalance}
 
     def result(self, name: str) -> MixedResult:
         base = Sim.result(self, name)

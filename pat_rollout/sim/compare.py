@@ -63,9 +63,9 @@ def compare(hw: SimHardware, planner_model: LatencyModel, trace: Trace, *, num_d
             planner_config: PlannerConfig, initial_tp: int = 1, verl_tp: int = VERL_DEFAULT_TP,
             with_oracle: bool = True, with_lookahead: bool = False, mixed: dict | None = None) -> Comparison:
     """static-tp<x> for each candidate tp that divides num_devices, pat (planner_config as given), with_lookahead:
-    pat-lookahead (the same config with estimator="lookahead"), and the oracle; `mixed` (keyword arguments of
-    sim.mixed_oracle.mixed_oracle, e.g. {} or {"passes": 1}): the mixed oracle over buddy layouts too, seeded
-    with the uniform oracle's schedule."""
+    pat-lookahead (the same config with estimator="lookahead"), and the (switch-only) oracle; `mixed` (keyword
+    arguments of sim.mixed_oracle.mixed_oracle, e.g. {} or {"passes": 1}): the uniform oracle with rebalances
+    ("oracle-rebalance") and the mixed oracle over buddy layouts, seeded with its schedule."""
     tps = sorted(tp for tp in planner_config.candidate_tps if num_devices % tp == 0)
     handoff = handoff_cost(planner_model)
     out = [run_policy(hw, trace, StaticPolicy(tp), num_devices=num_devices) for tp in tps]
@@ -76,12 +76,13 @@ def compare(hw: SimHardware, planner_model: LatencyModel, trace: Trace, *, num_d
         planner = Planner(planner_model, cfg, engine=engine_spec(hw))
         out.append(run_policy(hw, trace, PlannerPolicy(planner, initial_tp, trace, name=name),
                               num_devices=num_devices, handoff=handoff))
-    if with_oracle or mixed is not None:
-        uniform = oracle_search(hw, trace, num_devices=num_devices, tps=tps, handoff=handoff)
+    if with_oracle:
+        out.append(oracle_search(hw, trace, num_devices=num_devices, tps=tps, handoff=handoff)[0])
+    if mixed is not None:
+        uniform = oracle_search(hw, trace, num_devices=num_devices, tps=tps, handoff=handoff, rebalance=True)
         out.append(uniform[0])
-        if mixed is not None:
-            out.append(mixed_oracle(hw, trace, num_devices=num_devices, tps=tps, handoff=handoff, uniform=uniform,
-                                    **mixed))
+        out.append(mixed_oracle(hw, trace, num_devices=num_devices, tps=tps, handoff=handoff, uniform=uniform,
+                                **mixed))
     return Comparison(results=tuple(out), verl_tp=verl_tp)
 
 

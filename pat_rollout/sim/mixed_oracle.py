@@ -12,8 +12,8 @@ from typing import Any
 from pat_rollout.kv.cost import HandoffCost
 from pat_rollout.sim.buddy import Batch, Merge, MixedSim, Split
 from pat_rollout.sim.hardware import SimHardware
-from pat_rollout.sim.policies import fine_points, oracle_search
-from pat_rollout.sim.simulator import PollView, Reconfigure, SimResult
+from pat_rollout.sim.policies import fine_points, oracle_search, schedule_actions
+from pat_rollout.sim.simulator import HindsightRebalance, PollView, Reconfigure, SimResult
 from pat_rollout.sim.traces import Trace
 
 Entry = tuple[int, Any]  # (unfinished count, action): the action runs at the first poll with at most that many left
@@ -73,8 +73,9 @@ SHARES = (1.0, 0.25)  # how many of the longest a merged group takes, as a share
 def candidates(sim: MixedSim) -> list[Any]:
     """Every buddy action on the current layout: each merge of two buddies (as is; pulling the longest requests
     in; and swapping: the longest in, the buddies' others out, `longest_moves`, for each of SHARES) and each split
-    of a block of two or more devices."""
-    out: list[Any] = []
+    of a block of two or more devices; on a uniform layout also the uniform oracle's rebalance by true lengths
+    (HindsightRebalance), so the mixed oracle has every action the uniform one has."""
+    out: list[Any] = [HindsightRebalance()] if sim.tp else []
     for start, size in sim.blocks:
         if start % (2 * size) == 0 and (start + size, size) in sim.blocks:
             out.append(Merge(start=start, size=size))
@@ -93,11 +94,11 @@ def mixed_oracle(hw: SimHardware, trace: Trace, *, num_devices: int, tps: Sequen
                  handoff: HandoffCost | None = None, grid: int = 16, passes: int = 2, beam: int = 2,
                  uniform: tuple[SimResult, int, tuple[tuple[int, int], ...]] | None = None) -> SimResult:
     """The best buddy schedule this search finds in hindsight, simulated on the truth (MixedSim). Never worse
-    than the uniform oracle's schedule (`uniform`: sim.policies.oracle_search's answer, computed if not given),
-    which it starts from and returns when nothing beats it.
+    than the uniform oracle's schedule (`uniform`: sim.policies.oracle_search's answer, switches and rebalances;
+    computed with rebalances if not given), which it starts from and returns when nothing beats it.
 
     Search (branches share their prefix by cloning the simulation):
-    - seeds: the uniform oracle's best schedule, and each static start TP in `tps` with no switch;
+    - seeds: the uniform oracle's best schedule (its switches and rebalances), and each static start TP in `tps` with no switch;
     - each pass scans up to `beam` schedules (the seeds in the first pass, then the best found not yet scanned):
       run the schedule and, at each point of `fine_points(n, grid)` (unfinished counts, descending), branch on
       every action of `candidates` (each buddy merge as is, pulling the longest requests in, and swapping the
@@ -106,7 +107,7 @@ def mixed_oracle(hw: SimHardware, trace: Trace, *, num_devices: int, tps: Sequen
       run to the end; `passes` passes, so at most `passes` buddy actions are added to a seed (plus its uniform
       switches). Greedy with a bounded width, not exhaustive: not a bound."""
     res_u, tp0, sched = uniform or oracle_search(hw, trace, num_devices=num_devices, tps=tps, handoff=handoff,
-                                                 grid=grid)
+                                                 grid=grid, rebalance=True)
     pts = fine_points(len(trace.records), grid)
     found: dict[tuple, tuple[float, SimResult]] = {}
     best: list[tuple[float, SimResult]] = [(res_u.latency_s, res_u)]
@@ -138,7 +139,8 @@ def mixed_oracle(hw: SimHardware, trace: Trace, *, num_devices: int, tps: Sequen
         sim.run()
         consider(sim.result("mixed-oracle"), (tp, entries))
 
-    todo = [(tp0, tuple((c, Reconfigure(tp=t)) for c, t in sched))] + [(t, ()) for t in tps]
+    seed = tuple((c, schedule_actions([(c, t)])[0]) for c, t in sched)  # the uniform schedule as MixedSim entries
+    todo = [(tp0, seed)] + [(t, ()) for t in tps]
     scanned: set[tuple] = set()
     for p in range(passes):
         for key in todo[:max(beam, len(todo) if p == 0 else 0)]:

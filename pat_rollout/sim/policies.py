@@ -13,7 +13,7 @@ from pat_rollout.planner.calibration import ReconfigSample
 from pat_rollout.planner.policy import Planner
 from pat_rollout.planner.state import ClusterState
 from pat_rollout.sim.hardware import SimHardware
-from pat_rollout.sim.simulator import PollView, Rebalance, Reconfigure, Sim, SimResult
+from pat_rollout.sim.simulator import Batch, HindsightRebalance, PollView, Rebalance, Reconfigure, Sim, SimResult
 from pat_rollout.sim.traces import Trace
 
 
@@ -145,10 +145,21 @@ class ReplayPolicy:
         return None if tp is None or tp == view.tp else Reconfigure(tp=tp)
 
 
+REBALANCE = 0  # a schedule entry (count, REBALANCE) is the oracle's HindsightRebalance, not a switch
+
+
+def schedule_actions(entries: Sequence[tuple[int, int]]) -> list[Reconfigure | HindsightRebalance]:
+    """The actions of schedule entries due at one poll, in order; of consecutive switches only the last."""
+    acts = [HindsightRebalance() if tp == REBALANCE else Reconfigure(tp=tp) for _, tp in entries]
+    return [a for k, a in enumerate(acts) if not (isinstance(a, Reconfigure) and k + 1 < len(acts)
+                                                  and isinstance(acts[k + 1], Reconfigure))]
+
+
 @dataclass(slots=True)
 class SwitchPolicy:
     """Start at `tp0`; for each (count, tp) in order, switch to tp (grow or shrink) at the first poll with at
-    most `count` requests unfinished. The oracle's schedules."""
+    most `count` requests unfinished (tp REBALANCE: the oracle's rebalance by true lengths instead). The oracle's
+    schedules; entries due at one poll run in order (of consecutive switches only the last)."""
 
     tp0: int
     switches: tuple[tuple[int, int], ...] = ()
@@ -158,12 +169,14 @@ class SwitchPolicy:
     def initial_tp(self) -> int:
         return self.tp0
 
-    def on_poll(self, view: PollView) -> Reconfigure | None:
-        tp = None
+    def on_poll(self, view: PollView) -> Reconfigure | HindsightRebalance | Batch | None:
+        k = self._next
         while self._next < len(self.switches) and view.num_unfinished <= self.switches[self._next][0]:
-            tp = self.switches[self._next][1]
             self._next += 1
-        return None if tp is None or tp == view.tp else Reconfigure(tp=tp)
+        acts = schedule_actions(self.switches[k:self._next])
+        if len(acts) == 1 and isinstance(acts[0], Reconfigure) and acts[0].tp == view.tp:
+            return None
+        return None if not acts else acts[0] if len(acts) == 1 else Batch(actions=tuple(acts))
 
 
 def thresholds(n: int) -> list[int]:
@@ -180,33 +193,40 @@ def fine_points(n: int, grid: int) -> list[int]:
 
 
 def oracle(hw: SimHardware, trace: Trace, *, num_devices: int, tps: Sequence[int], max_switches: int = 3,
-           handoff: HandoffCost | None = None, grid: int = 16, passes: int = 3) -> SimResult:
+           handoff: HandoffCost | None = None, grid: int = 16, passes: int = 3, rebalance: bool = False,
+           max_rebalances: int = 2) -> SimResult:
     """`oracle_search`'s best result."""
     return oracle_search(hw, trace, num_devices=num_devices, tps=tps, max_switches=max_switches, handoff=handoff,
-                         grid=grid, passes=passes)[0]
+                         grid=grid, passes=passes, rebalance=rebalance, max_rebalances=max_rebalances)[0]
 
 
 def oracle_search(hw: SimHardware, trace: Trace, *, num_devices: int, tps: Sequence[int], max_switches: int = 3,
-                  handoff: HandoffCost | None = None, grid: int = 16,
-                  passes: int = 3) -> tuple[SimResult, int, tuple[tuple[int, int], ...]]:
-    """(result, start tp, switches as SwitchPolicy takes them) of the best regrouping schedule this search finds in hindsight: simulated on the truth (it knows every length
-    through it). Schedules switch the whole pool at the poll where the unfinished count first drops to a point.
+                  handoff: HandoffCost | None = None, grid: int = 16, passes: int = 3, rebalance: bool = False,
+                  max_rebalances: int = 2) -> tuple[SimResult, int, tuple[tuple[int, int], ...]]:
+    """(result, start tp, schedule as SwitchPolicy takes it) of the best uniform schedule this search finds in
+    hindsight: simulated on the truth (it knows every length through it). Schedules switch the whole pool at the
+    poll where the unfinished count first drops to a point; with `rebalance` they may also rebalance there
+    (entry (count, REBALANCE): the simulator's `HindsightRebalance`, i.e. a `Rebalance` with plan_moves' moves for
+    the true remaining tokens, at its real cost), at most `max_rebalances` times.
 
     Search, in two phases (branches share their prefix by cloning the simulation):
     1. exhaustive on the coarse points (`thresholds`: the unfinished count halving): every start TP with every
-       increasing TP sequence of at most 2 switches, and every start TP with one switch to any other TP (a
-       shrink included);
+       increasing TP sequence of at most 2 switches, and every start TP with one action at any coarse point: a
+       switch to any other TP (a shrink included) or, with `rebalance`, a rebalance;
     2. greedy refinement of the best schedule on the fine points (`fine_points(n, grid)`): in each pass, try
-       inserting a switch to every other TP at every fine point (the schedule's later switches kept, up to
-       `max_switches` switches), moving each switch to every fine point, and dropping each switch; keep the best
-       if it improves, up to `passes` passes.
+       inserting at every fine point a switch to every other TP (up to `max_switches` switches) and, with
+       `rebalance`, a rebalance (up to `max_rebalances`), the schedule's later entries kept; moving each entry
+       to every fine point; and dropping each; keep the best if it improves, up to `passes` passes.
+    `rebalance=False` is the switch-only oracle (the PAT columns' baseline: the SGLang pool cannot rebalance).
     Not exhaustive, so not a bound: a policy below it is flagged by the benchmark, not hidden."""
     n = len(trace.records)
     thr = thresholds(n)
     best: list[tuple[float, int, tuple[tuple[int, int], ...], SimResult]] = []
+    name = "oracle-rebalance" if rebalance else "oracle"
 
     def consider(res: SimResult, tp0: int, sched: tuple[tuple[int, int], ...]) -> None:
         if not best or res.latency_s < best[0][0]:
+            res.policy = name
             best[:] = [(res.latency_s, tp0, sched, res)]
 
     def new_sim(tp0: int, sched: tuple[tuple[int, int], ...]) -> Sim:
@@ -226,37 +246,42 @@ def oracle_search(hw: SimHardware, trace: Trace, *, num_devices: int, tps: Seque
                 branch.apply(Reconfigure(tp=tp))
                 grow(branch, tp0, (*sched, (c, tp)), j + 1, left - 1)
         sim.run()
-        consider(sim.result("oracle"), tp0, sched)
+        consider(sim.result(name), tp0, sched)
 
     def scan(tp0: int, sched: tuple[tuple[int, int], ...], points: Sequence[int], targets: Callable) -> None:
-        """Run `sched`; at each point c (descending) branch: switch to each tp in targets(c, tp_now) now, then keep
-        the switches of `sched` that come later."""
+        """Run `sched`; at each point c (descending) branch: switch to each tp in targets(c, tp_now) now (or
+        rebalance, tp REBALANCE), then keep the entries of `sched` that come later. Entries are recorded at the
+        unfinished count u the poll had (the entries due there ran before the branch's action, in order)."""
         sim = new_sim(tp0, sched)
         for c in points:
             sim.run(stop=lambda s, c=c: s.num_unfinished <= c)
             if not sim.num_unfinished:
                 break
-            later = tuple(x for x in sched if x[0] < c)
+            u = sim.num_unfinished if rebalance else c  # the switch-only oracle keeps its original bookkeeping
+            later = tuple(x for x in sched if x[0] < u)
             for tp in targets(c, sim.tp):
                 if tp == sim.tp:
                     continue
                 branch = sim.clone()
                 branch.policy = SwitchPolicy(tp0=tp0, switches=later)
-                branch.apply(Reconfigure(tp=tp))
+                branch.apply(HindsightRebalance() if tp == REBALANCE else Reconfigure(tp=tp))
                 branch.run()
-                consider(branch.result("oracle"), tp0, (*(x for x in sched if x[0] >= c), (c, tp), *later))
+                consider(branch.result(name), tp0, (*(x for x in sched if x[0] >= u), (u, tp), *later))
         sim.run()
-        consider(sim.result("oracle"), tp0, sched)
+        consider(sim.result(name), tp0, sched)
 
+    reb = [REBALANCE] if rebalance else []
     for tp in tps:  # phase 1
         grow(new_sim(tp, ()), tp, (), 0, 2)
-        scan(tp, (), thr, lambda c, now: tps)
+        scan(tp, (), thr, lambda c, now: [*tps, *reb])
     pts = fine_points(n, grid)
     for _ in range(passes):  # phase 2
         before = best[0][0]
         _, tp0, sched, _ = best[0]
-        if len(sched) < max_switches:
-            scan(tp0, sched, pts, lambda c, now: tps)
+        n_reb = sum(tp == REBALANCE for _, tp in sched)
+        ins = [*(tps if len(sched) - n_reb < max_switches else ()), *(reb if n_reb < max_rebalances else ())]
+        if ins:
+            scan(tp0, sched, pts, lambda c, now, ins=ins: ins)
         for k, (_, tp_k) in enumerate(sched):
             rest = sched[:k] + sched[k + 1:]
             scan(tp0, rest, pts, lambda c, now, tp_k=tp_k: (tp_k,))

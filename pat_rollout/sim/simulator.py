@@ -3,8 +3,9 @@
 The truth (`SimHardware`: step times, KV capacity, scheduler, driver loop, reconfiguration phases) is separate from
 what a policy sees. A policy is asked at every poll with a `PollView` (the planner's ClusterState: progress
 counts only, never true lengths, plus the requests that finished since the last poll) and answers an action or
-None. Actions are records dispatched by type through `Sim.ACTIONS` (`Reconfigure(tp)`, `Rebalance(moves)`; another
-action is one record class plus one handler registered there). Before dispatch a policy with an `on_start(state)` hook picks the
+None. Actions are records dispatched by type through `Sim.ACTIONS` (`Reconfigure(tp)`, `Rebalance(moves)`, the
+oracle's `HindsightRebalance`, `Batch` of several; another action is one record class plus one handler registered
+there). Before dispatch a policy with an `on_start(state)` hook picks the
 stage's starting layout, as the driver's planner does; the view also carries what the pool "measured" since the
 previous poll (calibration.PollSample / ReconfigSample from the true times), as the driver feeds its planner.
 Dispatch at stage start calls the driver's own planner.balance.assign_new; a reconfiguration rebalances with
@@ -14,6 +15,8 @@ planner.balance.balance on context tokens, as the driver's Reconfigurer does. Pu
 from __future__ import annotations
 
 import copy
+import dataclasses
+import operator
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -21,11 +24,13 @@ from typing import Any, Protocol
 from pat_rollout.kv.cost import HandoffCost
 from pat_rollout.planner.balance import assign_new, balance
 from pat_rollout.planner.calibration import PollSample, ReconfigSample
-from pat_rollout.planner.rebalance import Move
+from pat_rollout.planner.rebalance import Move, plan_moves
 from pat_rollout.planner.state import ClusterState, Decision, ReqProgress
 from pat_rollout.sim.hardware import SimHardware
 from pat_rollout.sim.replica import Replica, SimReq
 from pat_rollout.sim.traces import Trace
+
+_REQ_FIELDS = operator.attrgetter(*(f.name for f in dataclasses.fields(SimReq)))
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -50,6 +55,21 @@ class Rebalance:
         ids = [m.request_id for m in self.moves]
         if len(set(ids)) != len(ids):
             raise ValueError(f"Rebalance moves request(s) {sorted({i for i in ids if ids.count(i) > 1})} twice")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class HindsightRebalance:
+    """The oracle's rebalance (no policy that sees only a PollView can make it): a `Rebalance` with the moves
+    planner.rebalance.plan_moves picks for the requests' TRUE remaining tokens, applied with that action's real
+    costs; nothing when they are already balanced."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Batch:
+    """Several actions applied in order at one poll (a replayed schedule with two entries due at once); one that no
+    longer applies to the layout when its turn comes (`Sim.applies`) is skipped."""
+
+    actions: tuple[Any, ...]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -255,6 +275,10 @@ class Sim:
                 break
         return self
 
+    def applies(self, action: Any) -> bool:
+        """Whether `action` can run on the current layout (a Batch skips one that cannot); MixedSim narrows it."""
+        return True
+
     def apply(self, action: Any) -> None:
         handler = self.ACTIONS.get(type(action))
         if handler is None:
@@ -341,6 +365,22 @@ class Sim:
         if action.decision is not None:
             self.decisions.append(action.decision)
 
+    def _hindsight_rebalance(self, action: HindsightRebalance) -> None:
+        ids, reps, left = [], [], []
+        for i, rep in enumerate(self.replicas):
+            for r in (*rep.running, *rep.waiting):
+                ids.append(r.rid)
+                reps.append(i)
+                left.append(float(r.length - r.g))  # the truth: hindsight
+        moves = plan_moves(ids, reps, left, len(self.replicas))
+        if moves:
+            self._rebalance(Rebalance(moves=moves))
+
+    def _batch(self, action: Batch) -> None:
+        for a in action.actions:
+            if self.applies(a):
+                self.apply(a)
+
     def _rebalance_s(self, migrate_bytes: dict[int, float]) -> float:
         """True time of one rebalance: the phases of workers/rebalance.py without reshard or group switch. Plan,
         export, release and import are RPCs (the reconfiguration's fixed_s); the KV hand-off moves each
@@ -368,7 +408,8 @@ class Sim:
             return False
         return self.handoff.choose_handoff(r.prompt_len + r.g, self.hw.kv_bytes_per_token, tp).method.is_migrate
 
-    ACTIONS: dict[type, Callable[[Sim, Any], None]] = {Reconfigure: _reconfigure, Rebalance: _rebalance}
+    ACTIONS: dict[type, Callable[[Sim, Any], None]] = {Reconfigure: _reconfigure, Rebalance: _rebalance,
+                                                       HindsightRebalance: _hindsight_rebalance, Batch: _batch}
 
     def result(self, name: str) -> SimResult:
         pre = self.num_preempted + sum(rep.num_preempted for rep in self.replicas)
@@ -383,4 +424,10 @@ class Sim:
                          rebalance_s=self.rebalance_s)
 
     def clone(self) -> Sim:
-        return copy.deepcopy(self, {id(self.hw): self.hw})  # the truth is shared, not copied
+        """A deep copy; the truth (hw, its step model and scheduler) and the hand-off rule are shared, and the
+        requests are copied field by field first (deepcopy's generic path for them dominated the oracles' time)."""
+        memo: dict[int, Any] = {id(o): o for o in (self.hw, self.hw.step, self.hw.scheduler, self.handoff)}
+        for rep in self.replicas:
+            for r in (*rep.running, *rep.waiting, *(r for _, r in rep.finished)):
+                memo[id(r)] = SimReq(*_REQ_FIELDS(r))
+        return copy.deepcopy(self, memo)

@@ -136,7 +136,7 @@ def test_capacity_bound_tp1_preempts_on_h100() -> None:
 def test_unknown_action_is_rejected() -> None:
     sim = Sim(_hw(1000), Trace(name="t", records=(TraceRecord(prompt_id="p", prompt_len=1, response_len=2),),
                                max_new_tokens=2), num_devices=2, policy=StaticPolicy(1))
-    with pytest.raises(ValueError, match="unknown action 'x'; known \\['Rebalance', 'Reconfigure'\\]"):
+    with pytest.raises(ValueError, match="unknown action 'x'; known \\['Batch', 'HindsightRebalance', 'Rebalance', 'Reconfigure'\\]"):
         sim.apply("x")
 
 
