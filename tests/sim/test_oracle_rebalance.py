@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from pat_rollout.kv.cost import HandoffCost
@@ -91,3 +93,19 @@ def test_rebalances_run_on_uniform_layouts_only() -> None:
         sim.apply(Rebalance(moves=(Move(request_id="r1", src=1, dst=2),)))
     sim.apply(Batch(actions=(HindsightRebalance(),)))  # skipped: the mixed layout cannot rebalance
     assert sim.result("x").num_rebalances == 0
+
+
+def test_decision_table_applies_the_issue_rule_and_lists_missing_rows(tmp_path) -> None:
+    from pat_rollout.bench.mixed_vs_uniform import decision, load, table
+
+    assert decision([1.0, 0.99, 0.951]).endswith("do not build (below the 2% median / 5% row bar)")
+    assert decision([1.0, 1.0, 0.95]).endswith("build mixed layouts for real")  # one row at 5%
+    assert decision([0.98, 0.97, 1.0]).endswith("build mixed layouts for real")  # 2% at the median
+    order = [("m", "g", v, "t") for v in ("low", "high")]
+    row = {"model": "m", "gpu": "g", "variant": "low", "trace": "t", "uniform_s": 100.0, "mixed_s": 97.0,
+           "ratio": 0.97, "uniform_rebalances": 1, "mixed_layouts": "4+2+2@0.0s"}
+    path = tmp_path / "rows.jsonl"
+    path.write_text(json.dumps({**row, "ratio": 0.5}) + "\n" + json.dumps(row) + "\n")  # the last line of a row wins
+    out = table(load([str(path)]), order)
+    assert "low: 1 rows, median 0.970, best 0.970 -> build" in out and "all 1 of 2 rows" in out
+    assert out.endswith("missing: m/g/high/t")
