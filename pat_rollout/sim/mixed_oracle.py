@@ -130,7 +130,7 @@ def mixed_oracle(hw: SimHardware, trace: Trace, *, num_devices: int, tps: Sequen
             u = sim.num_unfinished  # the policy has run the entries due at this poll: those with counts >= u
             earlier = tuple(e for e in entries if e[0] >= u)
             later = tuple(e for e in entries if e[0] < u)
-            for a in candidates(sim):
+            for a in dict.fromkeys(candidates(sim)):  # two shares can pick the same requests: run that once
                 branch = sim.clone()
                 branch.policy = MixedSchedulePolicy(tp0=tp, entries=later)
                 branch.apply(a)
