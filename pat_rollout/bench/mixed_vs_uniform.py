@@ -113,6 +113,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--mixed-passes", type=int, default=2, help="mixed oracle: buddy actions added per seed")
     ap.add_argument("--mixed-beam", type=int, default=1, help="mixed oracle: schedules scanned per later pass")
     ap.add_argument("--shard", default="0/1", help="i/k: run rows i, i+k, ... of the list")
+    ap.add_argument("--only", default="", help="run these rows first, in this order: model/gpu/variant/trace,...")
     ap.add_argument("--out", help="JSON lines file to append finished rows to (rows already there are skipped)")
     ap.add_argument("--table", nargs="+", help="print the table from these JSON lines files; run nothing")
     args = ap.parse_args(argv)
@@ -122,7 +123,8 @@ def main(argv: list[str] | None = None) -> None:
         return
     i, k = map(int, args.shard.split("/"))
     done = {key(r) for r in load([args.out])} if args.out and Path(args.out).exists() else set()
-    for row in order[i::k]:
+    first = [tuple(x.split("/", 3)) for x in args.only.split(",") if x]
+    for row in [*first, *(r for r in order[i::k] if r not in first)]:
         if row in done:
             continue
         r = run_row(*row, num_devices=args.num_devices, seed=args.seed, grid=args.grid, passes=args.passes,
