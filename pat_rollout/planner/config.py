@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from pat_rollout.planner.lookahead import LookaheadConfig
+from pat_rollout.planner.margin import MarginConfig
 from pat_rollout.planner.predictor import PredictorConfig
 
 ESTIMATORS = ("drain", "lookahead")
@@ -14,7 +15,8 @@ ESTIMATORS = ("drain", "lookahead")
 class PlannerConfig:
     """- candidate_tps: TP sizes the planner may switch to.
     - eval_every_steps: evaluate at most once per this many decode steps (k).
-    - min_gain_s / min_gain_ratio: switch only if saving - overhead > max(min_gain_s, min_gain_ratio * remaining).
+    - min_gain_s / min_gain_ratio: switch only if saving - overhead > max(min_gain_s, ratio * remaining), the ratio
+      min_gain_ratio until the estimate's error is measured, then set from it (`margin`, planner/margin.py).
     - min_steps_between_switches: no switch within this many steps of the previous one.
     - only_grow: only switch to a larger TP (the batch only drains during a stage).
     - no_return_steps: never switch back to a TP that was left less than this many steps ago.
@@ -46,6 +48,7 @@ class PlannerConfig:
     max_rebalances_per_stage: int = 2
     predictor: PredictorConfig = field(default_factory=PredictorConfig)
     lookahead: LookaheadConfig = field(default_factory=LookaheadConfig)
+    margin: MarginConfig = field(default_factory=MarginConfig)
     estimator: str = "drain"
 
     def __post_init__(self) -> None:

@@ -141,6 +141,7 @@ class Lookahead:
     remaining: Mapping[str, int]
     config: LookaheadConfig = field(default_factory=LookaheadConfig)
     migrates: Callable[[int, int], bool] = field(default=lambda num_tokens, tp: False)  # the hand-off rule
+    last_steps: int = 0  # decode steps of the slowest replica in the last action scored (the margin's prediction)
 
     def replica(self, tp: int, items: Sequence[tuple[ReqProgress, bool]]) -> EngineReplica:
         """A TP=`tp` replica holding `items` in queue order: (request, with its KV here). Its requests beyond
@@ -181,10 +182,10 @@ class Lookahead:
                 rep.waiting.append(r)
         return rep
 
-    @staticmethod
-    def _drain(reps: list[EngineReplica]) -> float:
+    def _drain(self, reps: list[EngineReplica]) -> float:
         for rep in reps:
             rep.run(1 << 60)
+        self.last_steps = max((rep.steps for rep in reps), default=0)
         return max((rep.t for rep in reps), default=0.0)
 
     def _by_replica(self, num_replicas: int, where: Mapping[str, int],
