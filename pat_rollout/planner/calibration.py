@@ -88,6 +88,7 @@ class Calibration:
         self._log_factor: dict[tuple[int, int], float] = {}  # (tp, batch bucket) -> EWMA of log(measured/profile)
         self._num_polls: dict[int, int] = {}  # tp -> polls observed
         self._bias_s: dict[tuple[int, int], float] = {}  # (tp_src, tp_dst) -> EWMA of measured - predicted
+        self._factor_memo: dict[tuple[int, int], float] = {}  # decode_factor per (tp, bucket) until the next poll
         self.start_stage()
 
     def bind(self, key: Any) -> bool:
@@ -114,6 +115,7 @@ class Calibration:
         key = (sample.tp, bucket)
         old = self._log_factor.get(key)
         self._log_factor[key] = log_ratio if old is None else old + self.config.alpha * (log_ratio - old)
+        self._factor_memo.clear()
         self._num_polls[sample.tp] = self._num_polls.get(sample.tp, 0) + 1
         return raw, cal
 
@@ -150,6 +152,12 @@ class Calibration:
         if not self.config.enabled or not self._log_factor:
             return 1.0
         bucket = batch_bucket(batch)
+        out = self._factor_memo.get((tp, bucket))
+        if out is None:
+            out = self._factor_memo[(tp, bucket)] = self._decode_factor(tp, bucket)
+        return out
+
+    def _decode_factor(self, tp: int, bucket: int) -> float:
         same_tp = [(abs(b - bucket), b) for t, b in self._log_factor if t == tp]
         if same_tp:
             return math.exp(self._log_factor[(tp, min(same_tp)[1])])

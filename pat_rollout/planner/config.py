@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from pat_rollout.planner.lookahead import LookaheadConfig
+from pat_rollout.planner.margin import MarginConfig
 from pat_rollout.planner.predictor import PredictorConfig
 
 ESTIMATORS = ("drain", "lookahead")
@@ -14,7 +15,8 @@ ESTIMATORS = ("drain", "lookahead")
 class PlannerConfig:
     """- candidate_tps: TP sizes the planner may switch to.
     - eval_every_steps: evaluate at most once per this many decode steps (k).
-    - min_gain_s / min_gain_ratio: switch only if saving - overhead > max(min_gain_s, min_gain_ratio * remaining).
+    - min_gain_s / min_gain_ratio: switch only if saving - overhead > max(min_gain_s, ratio * remaining), the ratio
+      min_gain_ratio until the estimate's error is measured, then set from it (`margin`, planner/margin.py).
     - min_steps_between_switches: no switch within this many steps of the previous one.
     - only_grow: only switch to a larger TP (the batch only drains during a stage).
     - no_return_steps: never switch back to a TP that was left less than this many steps ago.
@@ -27,8 +29,8 @@ class PlannerConfig:
     - max_rebalances_per_stage: hard cap on rebalances per stage; min_steps_between_switches also spaces
       rebalances from any earlier action.
     - estimator: how actions are scored (module doc): "drain" (default) or "lookahead" (tuned by `lookahead`).
-      Off by default: the driver calls decide() synchronously every poll, so the lookahead's tens of ms per call
-      (bench.planner_speed: 1024 requests, 8 devices) land in the stage time."""
+      Off by default until a steady-state table shows it better (issue #24); the driver calls decide()
+      synchronously every poll (bench.planner_speed, 1024 requests, 8 devices: ~19 ms CPU median, 2026-12-05)."""
 
     candidate_tps: tuple[int, ...]
     eval_every_steps: int = 64
@@ -46,6 +48,7 @@ class PlannerConfig:
     max_rebalances_per_stage: int = 2
     predictor: PredictorConfig = field(default_factory=PredictorConfig)
     lookahead: LookaheadConfig = field(default_factory=LookaheadConfig)
+    margin: MarginConfig = field(default_factory=MarginConfig)
     estimator: str = "drain"
 
     def __post_init__(self) -> None:

@@ -8,6 +8,7 @@ the planner lengths drawn from its predictor and its calibrated profile. Pure st
 
 from __future__ import annotations
 
+import heapq
 from collections import deque
 from dataclasses import dataclass
 from typing import Protocol
@@ -32,7 +33,10 @@ class SchedulerModel:
     - "sglang": admit while prompt + new_token_ratio * (clipped remaining budget of every running request and of
       the new one) fits; new_token_ratio decays from init to min over decay_steps and resets on retraction;
       retract the running request with the fewest output tokens (ties: longest prompt) first, its KV freed and
-      re-prefilled later (SGLang's retract_decode). Prompts of one GRPO group share their KV (radix cache)."""
+      re-prefilled later (SGLang's retract_decode). Prompts of one GRPO group share their KV (radix cache).
+    - recheck_steps: while requests wait under "sglang", a chunk of decode steps runs at most this many steps
+      before admission is tested again (the ratio decays step by step); the planner's lookahead may test less
+      often, for speed."""
 
     kind: str = "ref"
     max_num_seqs: int = 256
@@ -42,13 +46,15 @@ class SchedulerModel:
     min_ratio: float = 0.098
     decay_steps: int = 600
     clip_max_new_tokens: int = 4096
+    recheck_steps: int = 16
 
     def __post_init__(self) -> None:
         if self.kind not in ("ref", "sglang"):
             raise ValueError(f"kind={self.kind!r} must be 'ref' or 'sglang'")
-        if self.max_num_seqs < 1 or self.max_prefill_tokens < 1 or self.block_size < 1 or self.decay_steps < 1:
+        if self.max_num_seqs < 1 or self.max_prefill_tokens < 1 or self.block_size < 1 or self.decay_steps < 1 or self.recheck_steps < 1:
             raise ValueError(f"max_num_seqs={self.max_num_seqs}, max_prefill_tokens={self.max_prefill_tokens}, "
-                             f"block_size={self.block_size}, decay_steps={self.decay_steps} must be >= 1")
+                             f"block_size={self.block_size}, decay_steps={self.decay_steps}, recheck_steps={self.recheck_steps} "
+                             "must be >= 1")
 
     @property
     def prefix_sharing(self) -> bool:
@@ -229,14 +235,20 @@ class EngineReplica:
         safe = free // b - bs  # each request grows by n tokens plus at most one partly filled block
         n = min(n, safe)
         if self.waiting and self.sched.kind == "sglang":
-            n = min(n, 16)  # the admission ratio decays: look again soon
+            n = min(n, self.sched.recheck_steps)  # the admission ratio decays: look again soon
         return n
 
     def run(self, max_steps: int, until_t: float = float("inf")) -> int:
         """Run up to max_steps steps (while the clock is before until_t); returns steps run."""
         done = 0
         step_model = self.step_model
+        linear = self._sharing or self._bs == 1
         while done < max_steps and self.busy and self.t < until_t:
+            if linear and self.running and not self._admission_possible():
+                k = self._drain_chunks(max_steps - done, until_t)
+                done += k
+                if k:
+                    continue
             n = self._chunk_len(max_steps - done) if self.running and not self._admission_possible() else 0
             if n >= 2:
                 b = len(self.running)
@@ -298,6 +310,98 @@ class EngineReplica:
             done += 1
             self._decay(1)
             self._collect()
+        return done
+
+    def _drain_chunks(self, max_steps: int, until_t: float) -> int:
+        """The chunk path of `run` when KV grows by one token per request per step (prefix sharing or block_size
+        1): the same chunks (finish, KV room, max_steps, until_t, 16 steps while SGLang's admission ratio decays),
+        the same admission test before each, the same times and order of finishes as `run`'s own chunk path, in
+        O(log b) per chunk instead of O(b): finishes come off a heap; the context sum, KV use and the admission
+        reserve's remaining budgets are kept as totals; the requests' g / alloc are written back on the way out.
+        Returns steps run (0: the next chunk is under 2 steps or admits, the caller steps singly)."""
+        running, sched = self.running, self.sched
+        heap = [(r.length - r.g, i) for i, r in enumerate(running)]
+        heapq.heapify(heap)
+        g0 = [r.g for r in running]
+        own0 = [self._own_tokens(r, r.prompt_len + r.g - 1) for r in running]  # alloc after a chunk, less its steps
+        deficit = sum(o - r.alloc for o, r in zip(own0, running))
+        ctx = sum(r.prompt_len + r.g for r in running)
+        b, off, done, bs = len(running), 0, 0, self._bs
+        step_model, tp = self.step_model, self.tp
+        head = self.waiting[0] if self.waiting else None
+        reserve = head is not None and sched.kind == "sglang"
+        if reserve:  # sum of min(max_new - g, clip) over running = tail_sum - off * tail_n + clip * (b - tail_n)
+            clip = sched.clip_max_new_tokens
+            budget = [r.max_new - r.g for r in running]
+            in_tail = [x <= clip for x in budget]
+            tail_n = sum(in_tail)
+            tail_sum = sum(x for x, t in zip(budget, in_tail) if t)
+            enter = [(x - clip, i) for i, x in enumerate(budget) if x > clip]  # offset where each enters the tail
+            heapq.heapify(enter)
+            head_budget = min(head.max_new - head.g, clip)
+        if head is not None:
+            head_own = self._own_tokens(head, head.prompt_len + head.g)
+        while done < max_steps and b and self.t < until_t:
+            if head is not None and b < sched.max_num_seqs:  # _admission_possible, on the totals
+                need = self.used + head_own + (head.prompt_len if self._sharing and head.prompt_key not in self.groups
+                                               else 0)
+                if reserve:
+                    while enter and enter[0][0] <= off:
+                        _, i = heapq.heappop(enter)
+                        if not in_tail[i]:
+                            in_tail[i] = True
+                            tail_n += 1
+                            tail_sum += budget[i]
+                    need += self.ratio * (tail_sum - off * tail_n + clip * (b - tail_n) + head_budget)
+                if need <= self.cap:
+                    break
+            n = min(max_steps - done, heap[0][0] - off, (self.cap - self.used) // b - bs)
+            if head is not None and sched.kind == "sglang":
+                n = min(n, sched.recheck_steps)
+            if n < 2:
+                break
+            ctx0 = ctx / b
+            chunk = n * step_model.decode_step_s(tp, b, ctx0 + (n - 1) / 2.0) * self.slowdown  # as run()'s chunk_s
+            if self.t + chunk > until_t:
+                lo, hi = 1, n
+                while lo < hi:
+                    mid = (lo + hi) // 2
+                    if self.t + mid * step_model.decode_step_s(tp, b, ctx0 + (mid - 1) / 2.0) * self.slowdown >= until_t:
+                        hi = mid
+                    else:
+                        lo = mid + 1
+                n = lo
+                chunk = n * step_model.decode_step_s(tp, b, ctx0 + (n - 1) / 2.0) * self.slowdown
+            dt = chunk / n
+            self.used += n * b + (0 if off else deficit)
+            off += n
+            ctx += n * b
+            self.t += n * dt
+            self.steps += n
+            self.decode_tokens += n * b
+            done += n
+            self._decay(n)
+            while heap and heap[0][0] <= off:  # every finisher of this chunk has the same key: ties in queue order
+                _, i = heapq.heappop(heap)
+                r = running[i]
+                r.g, r.alloc = g0[i] + off, own0[i] + off
+                ctx -= r.prompt_len + r.g
+                b -= 1
+                if reserve:
+                    if in_tail[i]:
+                        tail_n -= 1
+                        tail_sum -= budget[i]
+                    else:
+                        in_tail[i] = True  # never counted again: enter[] skips it
+                self._release(r)
+                self.finished.append((self.t, r))
+        if off:
+            kept = []
+            for i, r in enumerate(running):
+                if g0[i] + off < r.length:  # the finished were written back and released above
+                    r.g, r.alloc = g0[i] + off, own0[i] + off
+                    kept.append(r)
+            self.running = kept
         return done
 
     def _admission_possible(self) -> bool:

@@ -10,9 +10,10 @@ preemption with re-prefill; decode steps at the calibrated step time. Replicas r
 last replica's). What it cannot know and so draws: every request's final length.
 
 Speed: the mechanics advance in chunks between finish events, so a replica costs about (requests x distinct finish
-steps). Above `LookaheadConfig.units_per_replica` requests, a replica's requests are bundled into units of about m
-requests with neighbouring drawn lengths (quantile buckets of its draws), each stepped as one request on the replica
-scaled by 1/m; drawn lengths round up onto a geometric grid (`length_grid`) so close finishes coincide.
+steps), and while requests wait, one chunk per `admission_recheck_steps`. Above `LookaheadConfig.units_per_replica`
+requests (fewer where a layout has many replicas: `units_per_layout`), a replica's requests are bundled into units
+of about m requests with neighbouring drawn lengths (quantile buckets of its draws), each stepped as one request on
+the replica scaled by 1/m; drawn lengths round up onto a geometric grid (`length_grid`) so close finishes coincide.
 """
 
 from __future__ import annotations
@@ -73,16 +74,24 @@ class EngineSpec:
 @dataclass(frozen=True, kw_only=True, slots=True)
 class LookaheadConfig:
     """- units_per_replica: above this many requests on a replica, bundle them into about this many units.
+    - units_per_layout: at most about this many units over a layout's replicas (a layout of many small replicas
+      bundles more: TP1 on 8 devices runs 8 replicas, each costing units x chunks).
     - length_grid: drawn lengths round up to the next point of a geometric grid with this relative step
-      (0 = exact); fewer distinct finish steps, fewer chunks."""
+      (0 = exact); fewer distinct finish steps, fewer chunks.
+    - admission_recheck_steps: while requests wait, test admission every this many steps (the engine and the
+      simulator: every 16, SchedulerModel.recheck_steps); a request waits up to this many steps too long, and
+      a KV-bound layout costs about 16 / this as many chunks."""
 
     units_per_replica: int = 48
+    units_per_layout: int = 192
     length_grid: float = 0.02
+    admission_recheck_steps: int = 64
 
     def __post_init__(self) -> None:
-        if self.length_grid < 0 or self.units_per_replica < 1:
-            raise ValueError(f"length_grid={self.length_grid} must be >= 0 and units_per_replica="
-                             f"{self.units_per_replica} >= 1")
+        counts = (self.units_per_replica, self.units_per_layout, self.admission_recheck_steps)
+        if self.length_grid < 0 or min(counts) < 1:
+            raise ValueError(f"length_grid={self.length_grid} must be >= 0 and units_per_replica, units_per_layout, "
+                             f"admission_recheck_steps={counts} >= 1")
 
 
 def stratified_u(keys: Sequence[str]) -> dict[str, float]:
@@ -132,6 +141,7 @@ class Lookahead:
     remaining: Mapping[str, int]
     config: LookaheadConfig = field(default_factory=LookaheadConfig)
     migrates: Callable[[int, int], bool] = field(default=lambda num_tokens, tp: False)  # the hand-off rule
+    last_steps: int = 0  # decode steps of the slowest replica in the last action scored (the margin's prediction)
 
     def replica(self, tp: int, items: Sequence[tuple[ReqProgress, bool]]) -> EngineReplica:
         """A TP=`tp` replica holding `items` in queue order: (request, with its KV here). Its requests beyond
@@ -140,9 +150,10 @@ class Lookahead:
         median member would, and shares its prompt's KV with other units only when all its members have that
         prompt (a unit of mixed prompts shares nothing)."""
         n = len(items)
-        k = min(n, self.config.units_per_replica)
+        cfg = self.config
+        k = min(n, cfg.units_per_replica, max(1, cfg.units_per_layout * tp // self.num_devices))
         m = n / k if k else 1.0
-        s = self.spec.scheduler
+        s = dataclasses.replace(self.spec.scheduler, recheck_steps=self.config.admission_recheck_steps)
         if m == 1.0:
             rep = EngineReplica(self.step, s, self.spec.capacity(tp), tp)
         else:
@@ -171,10 +182,10 @@ class Lookahead:
                 rep.waiting.append(r)
         return rep
 
-    @staticmethod
-    def _drain(reps: list[EngineReplica]) -> float:
+    def _drain(self, reps: list[EngineReplica]) -> float:
         for rep in reps:
             rep.run(1 << 60)
+        self.last_steps = max((rep.steps for rep in reps), default=0)
         return max((rep.t for rep in reps), default=0.0)
 
     def _by_replica(self, num_replicas: int, where: Mapping[str, int],

@@ -20,6 +20,7 @@ from pat_rollout.planner.cost import TransitionCost, prefers_migration, transiti
 from pat_rollout.planner.estimator import drain_s, start_drain_s
 from pat_rollout.planner.lookahead import EngineSpec, Lookahead
 from pat_rollout.planner.lookahead import build as build_lookahead
+from pat_rollout.planner.margin import MarginTracker
 from pat_rollout.planner.predictor import LengthPredictor
 from pat_rollout.planner.rebalance import RebalanceOption, rebalance_option
 from pat_rollout.planner.state import ClusterState, Decision
@@ -39,6 +40,7 @@ class Option:
     allowed: bool
     why_not: str
     return_s: float = 0.0
+    remaining_steps: int | None = None  # the lookahead's drain steps after switching (None: drain estimator)
 
     @property
     def total_s(self) -> float:
@@ -69,10 +71,14 @@ class Planner:
         self.engine = engine
         self._handoff = handoff_cost(model)
         self._migrates_memo: dict[tuple[int, int], bool] = {}
+        self.margin = MarginTracker(config.margin, config.min_gain_ratio)
         self.start_stage()
 
     def start_stage(self) -> None:
-        """Reset per-stage state (switch history, evaluation clock, batch statistics)."""
+        """Reset per-stage state (switch history, evaluation clock, batch statistics); the stage that ended scores
+        the estimate's error (the switch margin, planner/margin.py)."""
+        if hasattr(self, "switches"):  # not at construction
+            self.margin.end_stage(self.calibration.metrics().get("pat/calibrated_error", 0.0))
         self.switches: list[tuple[int, int, int]] = []  # (step, tp_src, tp_dst)
         self.last_options: tuple[Option, ...] = ()
         self.rebalances: list[int] = []  # steps of this stage's rebalances
@@ -81,6 +87,8 @@ class Planner:
         self.start_decision: Decision | None = None
         self.start_step: int | None = None  # step of this stage's start switch (a switch for min_steps_between_...)
         self.start_explored = False
+        self.stay_steps: int | None = None  # the lookahead's drain steps of staying, at the last evaluation
+        self.start_steps: dict[int, int] = {}  # the lookahead's drain steps of each starting layout
         self.predictor.start_stage()
         self.calibration.start_stage()
 
@@ -151,6 +159,7 @@ class Planner:
         if self.uses_lookahead:
             la = la or self.lookahead(state)
             now_s = la.stay_s(state.tp)
+            self.stay_steps = la.last_steps
             regroup_s = la.regroup_s  # (remaining seconds, tokens of the requests whose KV the hand-off migrates)
         else:
             pred = self.predict_remaining(state)
@@ -169,10 +178,11 @@ class Planner:
                 continue
             why_not = self._why_not(state, tp)
             remaining_s, handed_off = regroup_s(tp)
+            steps = la.last_steps if la is not None else None
             cost = self._cost(model, state.num_devices, state.tp, tp, handed_off)
             back = self._cost(model, state.num_devices, tp, state.tp, tokens).total_s if tp < state.tp else 0.0
             options.append(Option(tp=tp, remaining_s=remaining_s, cost=cost, allowed=not why_not, why_not=why_not,
-                                  return_s=back))
+                                  return_s=back, remaining_steps=steps))
         return now_s, tuple(options)
 
     def estimator_model(self) -> LatencyModel:
@@ -182,7 +192,7 @@ class Planner:
     def _cost(self, model: LatencyModel, num_devices: int, tp_src: int, tp_dst: int,
               num_tokens: list[int]) -> TransitionCost:
         cost = transition_cost(model, num_devices=num_devices, tp_src=tp_src, tp_dst=tp_dst, num_tokens=num_tokens,
-                               migrates=self.migrates if self.uses_lookahead else None)
+                               migrates=self.migrates)
         return self.calibration.correct_cost(cost, tp_src, tp_dst)
 
     # ---- measurements and the stage's starting layout -------------------------------------------
@@ -199,8 +209,14 @@ class Planner:
         not started, replica unknown) in that layout, and the cost of switching there from `state.tp` with nothing
         running."""
         model = self.estimator_model()
+        self.start_steps: dict[int, int] = {}
         if self.uses_lookahead:
-            run_s = self.lookahead(state).stay_s
+            la = self.lookahead(state)
+
+            def run_s(tp: int) -> float:
+                out = la.stay_s(tp)
+                self.start_steps[tp] = la.last_steps
+                return out
         else:
             pred = self.predict_remaining(state)
             remaining = [pred[r.request_id] for r in state.requests]
@@ -232,7 +248,7 @@ class Planner:
         best = min(total, key=lambda tp: (total[tp], tp))
         why = "predicted fastest"
         if state.tp in total and total[state.tp] - total[best] <= max(cfg.min_gain_s,
-                                                                     cfg.min_gain_ratio * total[state.tp]):
+                                                                     self.margin.ratio * total[state.tp]):
             best = state.tp
         observed = self.calibration.observed_tps()
         unobserved = [tp for tp in total if tp not in observed and total[tp] <= cfg.explore_max_ratio * total[best]]
@@ -240,6 +256,7 @@ class Planner:
             best = min(unobserved, key=lambda tp: (total[tp], tp))
             self.start_explored = True
             why = f"never measured on this pool (TPs measured: {sorted(observed)}): exploring"
+        self.margin.predict(state.step, _plus(state.step, self.start_steps.get(best)), new_action=True)
         if best == state.tp:
             return None
         run_s, cost = options[best]
@@ -278,6 +295,7 @@ class Planner:
         """An action to apply now (a regroup or a rebalance), or None to stay. Evaluates at most once per
         eval_every_steps steps."""
         cfg = self.config
+        self.margin.seen(state.step)
         if not state.requests:
             return None
         if self._last_eval_step is not None and state.step - self._last_eval_step < cfg.eval_every_steps:
@@ -291,14 +309,18 @@ class Planner:
         now_s, options = self.evaluate(state, la)
         self.last_options = options
         allowed = [o for o in options if o.allowed]
-        margin = max(cfg.min_gain_s, cfg.min_gain_ratio * now_s)
+        margin = max(cfg.min_gain_s, self.margin.ratio * now_s)
         # ---- rebalance: chosen over the best regroup only when its remaining time plus overhead is lower
         self.last_rebalance = None if rebalance_why_not else self._rebalance_option(state, la)
         rb = self.last_rebalance
         if rb is not None and (not allowed or rb.total_s < min(o.total_s for o in allowed)):
-            return self._rebalance_decision(state, now_s, rb, margin)
+            d = self._rebalance_decision(state, now_s, rb, margin)
+            self.margin.predict(state.step, None if d else _plus(state.step, self.stay_steps), new_action=bool(d))
+            return d
         # ---- regroup
+        stay = _plus(state.step, self.stay_steps if la is not None else None)
         if not allowed:
+            self.margin.predict(state.step, stay, new_action=False)
             return None
         # growing into a TP never measured on this pool: it may be as wrong as the profile proved on the measured
         # ones (a profile's error grows with TP: all-reduce latency, efficiency under load), so its predicted
@@ -316,6 +338,7 @@ class Planner:
         if saving <= margin:
             logger.debug("step %d: stay at tp=%d (best tp=%d saves %.3fs <= margin %.3fs)", state.step, state.tp,
                          best.tp, saving, margin)
+            self.margin.predict(state.step, stay, new_action=False)
             return None
         back = f" + {best.return_s:.3f}s to grow back" if best.return_s else ""
         if risk_s(best):
@@ -325,6 +348,7 @@ class Planner:
                   f"kv {best.cost.kv_s:.3f}s, switch {best.cost.switch_s:.3f}s){back}; saving {saving:.2f}s > margin "
                   f"{margin:.2f}s")
         self.switches.append((state.step, state.tp, best.tp))
+        self.margin.predict(state.step, _plus(state.step, best.remaining_steps), new_action=True)
         return Decision(step=state.step, source_tp=state.tp, target_tp=best.tp, predicted_remaining_now_s=now_s,
                         predicted_remaining_target_s=best.remaining_s, predicted_overhead_s=best.cost.total_s,
                         reason=reason)
@@ -373,3 +397,7 @@ class Planner:
         return Decision(step=state.step, source_tp=state.tp, target_tp=state.tp, predicted_remaining_now_s=now_s,
                         predicted_remaining_target_s=rb.remaining_s, predicted_overhead_s=rb.cost.total_s,
                         reason=reason, action="rebalance", moves=rb.moves)
+
+
+def _plus(step: int, steps: int | None) -> int | None:
+    return None if steps is None else step + steps

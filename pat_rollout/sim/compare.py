@@ -54,6 +54,15 @@ class Comparison:
                 "oracle_vs_best_static": by["oracle"].latency_s / self.best_static().latency_s}
 
 
+@dataclass(frozen=True, kw_only=True, slots=True)
+class StageRun:
+    """compare_stages' outcome: the first and the steady-state (last) stage, and the planners as they ended."""
+
+    first: Comparison
+    steady: Comparison
+    planners: dict[str, Planner]
+
+
 def engine_spec(hw: SimHardware) -> EngineSpec:
     """What the driver reads from its engine: the scheduler's rules and each layout's per-replica KV tokens."""
     return EngineSpec(scheduler=hw.scheduler, kv_tokens=dict(hw.kv_tokens))
@@ -84,6 +93,37 @@ def compare(hw: SimHardware, planner_model: LatencyModel, trace: Trace, *, num_d
         out.append(mixed_oracle(hw, trace, num_devices=num_devices, tps=tps, handoff=handoff, uniform=uniform,
                                 **mixed))
     return Comparison(results=tuple(out), verl_tp=verl_tp)
+
+
+def compare_stages(hw: SimHardware, planner_model: LatencyModel, stages: list[Trace], *, num_devices: int,
+                   planner_config: PlannerConfig, initial_tp: int = 1, with_oracle: bool = True,
+                   with_lookahead: bool = False) -> StageRun:
+    """Several RL steps of one row: each PAT variant is ONE planner carried across `stages` (its calibration,
+    per-prompt history and switch margin carry over, as on a driver), each stage starting where the pool ended the
+    previous one; the first stage's `history` seeds the predictor, later stages learn from the earlier stages'
+    finished requests. The first and the last stage (the steady state) are run with the statics and the oracle
+    too; stages in between run only the planners."""
+    tps = sorted(tp for tp in planner_config.candidate_tps if num_devices % tp == 0)
+    handoff = handoff_cost(planner_model)
+    pats = [("pat", planner_config)]
+    if with_lookahead:
+        pats.append(("pat-lookahead", dataclasses.replace(planner_config, estimator="lookahead")))
+    planners = {name: Planner(planner_model, cfg, engine=engine_spec(hw)) for name, cfg in pats}
+    where = dict.fromkeys(planners, initial_tp)
+    out: list[Comparison] = []
+    for i, trace in enumerate(stages):
+        scored = i in (0, len(stages) - 1)
+        results = [run_policy(hw, trace, StaticPolicy(tp), num_devices=num_devices) for tp in tps] if scored else []
+        for name, planner in planners.items():
+            r = run_policy(hw, trace, PlannerPolicy(planner, where[name], trace if i == 0 else None, name=name),
+                           num_devices=num_devices, handoff=handoff)
+            where[name] = r.schedule[-1][1]
+            results.append(r)
+        if scored:
+            if with_oracle:
+                results.append(oracle_search(hw, trace, num_devices=num_devices, tps=tps, handoff=handoff)[0])
+            out.append(Comparison(results=tuple(results), verl_tp=VERL_DEFAULT_TP))
+    return StageRun(first=out[0], steady=out[-1], planners=planners)
 
 
 def format_table(cmp: Comparison) -> str:

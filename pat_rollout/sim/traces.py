@@ -4,6 +4,7 @@ Pure stdlib (random, csv, json)."""
 from __future__ import annotations
 
 import csv
+import dataclasses
 import json
 import math
 import random
@@ -159,3 +160,19 @@ def read_trace(path: str | Path, *, max_new_tokens: int | None = None) -> Trace:
         raise ValueError(f"{p}: no records")
     cap = max_new_tokens if max_new_tokens is not None else max(r.response_len for r in records)
     return Trace(name=p.stem, records=tuple(records), max_new_tokens=cap)
+
+
+def rl_stages(trace: Trace, n: int) -> list[Trace]:
+    """`n` RL steps of the same prompts, the last one `trace`: its `history` read as earlier draws of its batch
+    (len(records) each, oldest first, as deepscaler_like(history_iters=n) makes them); each stage's history is the
+    draw before it. Short of draws, the earliest stage repeats (a repeated batch, as `make demo` runs)."""
+    if n < 1:
+        raise ValueError(f"n={n} stages must be >= 1")
+    k = len(trace.records)
+    draws = [trace.history[j:j + k] for j in range(0, len(trace.history) - k + 1, k)]
+    stages = [Trace(name=f"{trace.name}#{i}", records=draws[i], max_new_tokens=trace.max_new_tokens,
+                    history=draws[i - 1]) for i in range(1, len(draws))]
+    stages.append(dataclasses.replace(trace, history=draws[-1] if draws else trace.history))
+    while len(stages) < n:
+        stages.insert(0, stages[0])
+    return stages[-n:]

@@ -231,3 +231,20 @@ def test_a_shrink_must_pay_for_growing_back() -> None:
     assert p.decide(state) is None
     (o,) = p.last_options
     assert o.remaining_s + o.cost.total_s < now_s - margin < o.total_s
+
+
+def test_the_profile_memory_survives_calibration() -> None:
+    """The lookahead's KV capacity comes from the profile's memory section: a calibrated profile keeps it."""
+    from pat_rollout.planner.calibration import CalibratedModel
+    from pat_rollout.planner.lookahead import EngineSpec
+
+    base = LatencyModel.from_json("h100_llama31_8b")
+    assert base.memory
+    cal = Calibration()
+    cal.observe_poll(base, PollSample(tp=2, replicas=((64.0, 1000.0),), num_steps=8,
+                                      elapsed_s=8 * 1.3 * base.decode_step_s(2, 64, 1004)))
+    m = cal.model(base)
+    assert isinstance(m, CalibratedModel) and m.decode_step_s(2, 64, 1004) == pytest.approx(
+        1.3 * base.decode_step_s(2, 64, 1004))
+    assert m.memory == base.memory
+    assert EngineSpec.default_for(m, m.tps) == EngineSpec.default_for(base, base.tps)
