@@ -252,24 +252,8 @@ class EngineReplica:
             n = self._chunk_len(max_steps - done) if self.running and not self._admission_possible() else 0
             if n >= 2:
                 b = len(self.running)
-                ctx0 = sum(r.prompt_len + r.g for r in self.running) / b
-
-                def chunk_s(k: int) -> float:  # k steps at the mean context of their midpoint
-                    return k * step_model.decode_step_s(self.tp, b, ctx0 + (k - 1) / 2.0) * self.slowdown
-
-                if self.t + chunk_s(n) > until_t:
-                    # Free-running replicas are polled by time: stop at the first step that crosses until_t.
-                    # Found by bisection on the chunk's own time, so where a finish would have split it (which
-                    # depends on true lengths) does not move the poll.
-                    lo, hi = 1, n
-                    while lo < hi:
-                        mid = (lo + hi) // 2
-                        if self.t + chunk_s(mid) >= until_t:
-                            hi = mid
-                        else:
-                            lo = mid + 1
-                    n = lo
-                dt = chunk_s(n) / n
+                n, chunk = self._chunk(b, sum(r.prompt_len + r.g for r in self.running) / b, n, until_t)
+                dt = chunk / n
                 grown = 0  # self._hold(r, prompt + g - 1) for each r, inlined (the hot loop)
                 if self._sharing:
                     for r in self.running:
@@ -312,6 +296,28 @@ class EngineReplica:
             self._collect()
         return done
 
+    def _chunk(self, b: int, ctx0: float, n: int, until_t: float) -> tuple[int, float]:
+        """(steps, seconds) of a chunk of up to n decode steps of b requests from mean context ctx0, each step at
+        the mean context of the chunk's midpoint. Free-running replicas are polled by time: a chunk that would
+        cross until_t stops at the first step that crosses it, found by bisection on the chunk's own time, so where
+        a finish would have split it (which depends on true lengths) does not move the poll."""
+        step_s, tp, slowdown = self.step_model.decode_step_s, self.tp, self.slowdown
+
+        def chunk_s(k: int) -> float:
+            return k * step_s(tp, b, ctx0 + (k - 1) / 2.0) * slowdown
+
+        out = chunk_s(n)
+        if self.t + out > until_t:
+            lo, hi = 1, n
+            while lo < hi:
+                mid = (lo + hi) // 2
+                if self.t + chunk_s(mid) >= until_t:
+                    hi = mid
+                else:
+                    lo = mid + 1
+            n, out = lo, chunk_s(lo)
+        return n, out
+
     def _drain_chunks(self, max_steps: int, until_t: float) -> int:
         """The chunk path of `run` when KV grows by one token per request per step (prefix sharing or block_size
         1): the same chunks (finish, KV room, max_steps, until_t, 16 steps while SGLang's admission ratio decays),
@@ -327,7 +333,6 @@ class EngineReplica:
         deficit = sum(o - r.alloc for o, r in zip(own0, running))
         ctx = sum(r.prompt_len + r.g for r in running)
         b, off, done, bs = len(running), 0, 0, self._bs
-        step_model, tp = self.step_model, self.tp
         head = self.waiting[0] if self.waiting else None
         reserve = head is not None and sched.kind == "sglang"
         if reserve:  # sum of min(max_new - g, clip) over running = tail_sum - off * tail_n + clip * (b - tail_n)
@@ -360,18 +365,7 @@ class EngineReplica:
                 n = min(n, sched.recheck_steps)
             if n < 2:
                 break
-            ctx0 = ctx / b
-            chunk = n * step_model.decode_step_s(tp, b, ctx0 + (n - 1) / 2.0) * self.slowdown  # as run()'s chunk_s
-            if self.t + chunk > until_t:
-                lo, hi = 1, n
-                while lo < hi:
-                    mid = (lo + hi) // 2
-                    if self.t + mid * step_model.decode_step_s(tp, b, ctx0 + (mid - 1) / 2.0) * self.slowdown >= until_t:
-                        hi = mid
-                    else:
-                        lo = mid + 1
-                n = lo
-                chunk = n * step_model.decode_step_s(tp, b, ctx0 + (n - 1) / 2.0) * self.slowdown
+            n, chunk = self._chunk(b, ctx / b, n, until_t)
             dt = chunk / n
             self.used += n * b + (0 if off else deficit)
             off += n

@@ -77,8 +77,7 @@ class Planner:
     def start_stage(self) -> None:
         """Reset per-stage state (switch history, evaluation clock, batch statistics); the stage that ended scores
         the estimate's error (the switch margin, planner/margin.py)."""
-        if hasattr(self, "switches"):  # not at construction
-            self.margin.end_stage(self.calibration.metrics().get("pat/calibrated_error", 0.0))
+        self.margin.end_stage(self.calibration.metrics().get("pat/calibrated_error", 0.0))  # no-op when fresh
         self.switches: list[tuple[int, int, int]] = []  # (step, tp_src, tp_dst)
         self.last_options: tuple[Option, ...] = ()
         self.rebalances: list[int] = []  # steps of this stage's rebalances
@@ -209,7 +208,7 @@ class Planner:
         not started, replica unknown) in that layout, and the cost of switching there from `state.tp` with nothing
         running."""
         model = self.estimator_model()
-        self.start_steps: dict[int, int] = {}
+        self.start_steps = {}
         if self.uses_lookahead:
             la = self.lookahead(state)
 

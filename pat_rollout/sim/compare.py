@@ -68,6 +68,19 @@ def engine_spec(hw: SimHardware) -> EngineSpec:
     return EngineSpec(scheduler=hw.scheduler, kv_tokens=dict(hw.kv_tokens))
 
 
+def _tps(planner_config: PlannerConfig, num_devices: int) -> list[int]:
+    return sorted(tp for tp in planner_config.candidate_tps if num_devices % tp == 0)
+
+
+def _planners(hw: SimHardware, planner_model: LatencyModel, planner_config: PlannerConfig,
+              with_lookahead: bool) -> dict[str, Planner]:
+    """The PAT variants by name: "pat" (planner_config as given) and, with_lookahead, "pat-lookahead"."""
+    cfgs = {"pat": planner_config}
+    if with_lookahead:
+        cfgs["pat-lookahead"] = dataclasses.replace(planner_config, estimator="lookahead")
+    return {name: Planner(planner_model, cfg, engine=engine_spec(hw)) for name, cfg in cfgs.items()}
+
+
 def compare(hw: SimHardware, planner_model: LatencyModel, trace: Trace, *, num_devices: int,
             planner_config: PlannerConfig, initial_tp: int = 1, verl_tp: int = VERL_DEFAULT_TP,
             with_oracle: bool = True, with_lookahead: bool = False, mixed: dict | None = None) -> Comparison:
@@ -75,14 +88,10 @@ def compare(hw: SimHardware, planner_model: LatencyModel, trace: Trace, *, num_d
     pat-lookahead (the same config with estimator="lookahead"), and the (switch-only) oracle; `mixed` (keyword
     arguments of sim.mixed_oracle.mixed_oracle, e.g. {} or {"passes": 1}): the uniform oracle with rebalances
     ("oracle-rebalance") and the mixed oracle over buddy layouts, seeded with its schedule."""
-    tps = sorted(tp for tp in planner_config.candidate_tps if num_devices % tp == 0)
+    tps = _tps(planner_config, num_devices)
     handoff = handoff_cost(planner_model)
     out = [run_policy(hw, trace, StaticPolicy(tp), num_devices=num_devices) for tp in tps]
-    pats = [("pat", planner_config)]
-    if with_lookahead:
-        pats.append(("pat-lookahead", dataclasses.replace(planner_config, estimator="lookahead")))
-    for name, cfg in pats:
-        planner = Planner(planner_model, cfg, engine=engine_spec(hw))
+    for name, planner in _planners(hw, planner_model, planner_config, with_lookahead).items():
         out.append(run_policy(hw, trace, PlannerPolicy(planner, initial_tp, trace, name=name),
                               num_devices=num_devices, handoff=handoff))
     if with_oracle:
@@ -103,12 +112,9 @@ def compare_stages(hw: SimHardware, planner_model: LatencyModel, stages: list[Tr
     previous one; the first stage's `history` seeds the predictor, later stages learn from the earlier stages'
     finished requests. The first and the last stage (the steady state) are run with the statics and the oracle
     too; stages in between run only the planners."""
-    tps = sorted(tp for tp in planner_config.candidate_tps if num_devices % tp == 0)
+    tps = _tps(planner_config, num_devices)
     handoff = handoff_cost(planner_model)
-    pats = [("pat", planner_config)]
-    if with_lookahead:
-        pats.append(("pat-lookahead", dataclasses.replace(planner_config, estimator="lookahead")))
-    planners = {name: Planner(planner_model, cfg, engine=engine_spec(hw)) for name, cfg in pats}
+    planners = _planners(hw, planner_model, planner_config, with_lookahead)
     where = dict.fromkeys(planners, initial_tp)
     out: list[Comparison] = []
     for i, trace in enumerate(stages):
