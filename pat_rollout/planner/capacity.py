@@ -1,10 +1,11 @@
-"""A KV-cache capacity rule for devices known only by their memory; used by the simulator (`sim.hardware`: a
-replica's KV room from a profile's memory; `sim.replica`: blocks per request). The planner's estimator does not
-use it, and the engines count their own KV blocks (`engine.ref.block_manager`, SGLang's pool).
+"""The KV-cache capacity rule: how many tokens a TP replica holds. One rule for the planner's lookahead
+(`planner.lookahead`), the simulator (`sim.hardware`: a replica's KV room from a profile's memory; `sim.replica`:
+blocks per request) and the SGLang pool (`sglang.kv_room`: its fixed KV storage re-viewed at every switch).
 
-Per device: KV room = mem_fraction x HBM - weights / tp - activation reserve. A TP group of `tp` devices shards
-the KV heads, so one token costs kv_bytes_per_token * ceil(num_kv_heads / tp) / num_kv_heads bytes on each device
-(heads are replicated once tp > num_kv_heads) and the replica holds room / that many tokens. Pure stdlib.
+Per device: KV room = mem_fraction x HBM - weights / tp - activation reserve (`kv_room_bytes`; the SGLang pool
+instead measures the storage SGLang allocated). A TP group of `tp` devices shards the KV heads, so one token
+costs kv_bytes_per_token * ceil(num_kv_heads / tp) / num_kv_heads bytes on each device (heads are replicated
+once tp > num_kv_heads) and the replica holds room / that many tokens (`tokens_in_room`). Pure stdlib.
 """
 
 from __future__ import annotations
@@ -58,10 +59,19 @@ def replica_kv_tokens(mem: MemorySpec, *, param_bytes: float, kv_bytes_per_token
         raise ValueError(f"no KV room at tp={tp}: mem_fraction {mem.mem_fraction} x hbm {mem.hbm_bytes:.4g} B - "
                          f"weights {param_bytes:.4g} B / {tp} - reserve {mem.activation_reserve_bytes:.4g} B = "
                          f"{room:.4g} B")
-    if kv_bytes_per_token < 1 or num_kv_heads < 1:
-        raise ValueError(f"kv_bytes_per_token={kv_bytes_per_token} and num_kv_heads={num_kv_heads} must be >= 1")
+    return tokens_in_room(room, kv_bytes_per_token=kv_bytes_per_token, num_kv_heads=num_kv_heads, tp=tp)
+
+
+def tokens_in_room(room_bytes: float, *, kv_bytes_per_token: int, num_kv_heads: int, tp: int) -> int:
+    """Tokens of KV that `room_bytes` on each device of a TP=`tp` replica hold: each device keeps
+    ceil(num_kv_heads / tp) of the heads of every token (`kv_bytes_per_token` counts all heads, K and V, every
+    layer), so a TPk replica holds k times the tokens of a TP1 one in the same room per device (while
+    k <= num_kv_heads)."""
+    if kv_bytes_per_token < 1 or num_kv_heads < 1 or tp < 1:
+        raise ValueError(f"kv_bytes_per_token={kv_bytes_per_token}, num_kv_heads={num_kv_heads} and tp={tp} "
+                         f"must be >= 1")
     per_device_token = kv_bytes_per_token * math.ceil(num_kv_heads / tp) / num_kv_heads
-    return int(room // per_device_token)
+    return int(room_bytes // per_device_token)
 
 
 def blocks_for(num_tokens: int, block_size: int) -> int:

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from pat_rollout.planner.capacity import MemorySpec, blocks_for, kv_room_bytes, replica_kv_tokens
+from pat_rollout.planner.capacity import MemorySpec, blocks_for, kv_room_bytes, replica_kv_tokens, tokens_in_room
 
 H100_VERL = MemorySpec(hbm_bytes=80e9, mem_fraction=0.6, activation_reserve_bytes=2e9)
 LLAMA_W = 2 * 8_030_261_248
@@ -21,6 +21,16 @@ def test_replica_tokens_exact() -> None:
     assert replica_kv_tokens(H100_VERL, tp=8, **kw) == (48e9 - 2_007_565_312 - 2e9) // 16384 == 2_685_085
     # TP16 > 8 KV heads: heads are replicated, a device still pays one head per token
     assert replica_kv_tokens(H100_VERL, tp=16, **kw) == (48e9 - LLAMA_W / 16 - 2e9) // 16384
+
+
+def test_tokens_in_room_grows_with_tp_in_the_same_room() -> None:
+    """The rule the SGLang pool applies to its fixed KV storage: TPk holds k times TP1's tokens (k <= KV heads)."""
+    kw = dict(kv_bytes_per_token=LLAMA_KV, num_kv_heads=8)
+    room = 1000 * LLAMA_KV  # 1000 tokens of all 8 heads
+    assert [tokens_in_room(room, tp=tp, **kw) for tp in (1, 2, 4, 8, 16)] == [1000, 2000, 4000, 8000, 8000]
+    assert tokens_in_room(room - 1, tp=1, **kw) == 999
+    with pytest.raises(ValueError, match="tp=0"):
+        tokens_in_room(room, tp=0, **kw)
 
 
 def test_no_room_names_every_operand() -> None:
