@@ -94,7 +94,7 @@ class DriverLoop(Switching):
         self._stage = StageMetrics()
         if self.layout != self.base and (self.planner is None or not self.planner.config.start_layout):
             self._to_base()  # unless the planner picks the starting layout, a stage starts in the base layout
-        self._stage.record_layout(str(self.layout))
+        self._stage.record_layout(str(self.layout), self.pool.kv_tokens)
         if self.planner is not None:
             self.planner.start_stage()
             self._start_layout(batch)  # the planner picks the layout; nothing is dispatched yet, so nothing to hand off

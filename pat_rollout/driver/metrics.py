@@ -26,6 +26,7 @@ class StageMetrics:
     num_polls: int = 0
     phase_s: dict[str, float] = field(default_factory=dict)
     layouts: list[tuple[float, str, int]] = field(default_factory=list)  # (seconds, layout, polls) when it began
+    kv_tokens: list[tuple[str, int]] = field(default_factory=list)  # (layout, KV tokens one replica holds) if known
     response_lengths: list[int] = field(default_factory=list)
     last_switch_s: float | None = None
     planner: dict[str, float] = field(default_factory=dict)  # the planner's own stage metrics (calibration, start)
@@ -42,8 +43,8 @@ class StageMetrics:
         if step.finished:
             self.record_replica_finish(replica)
 
-    def record_reconfig(self, result: ReconfigResult, layout: str) -> None:
-        """A switch to `layout` succeeded."""
+    def record_reconfig(self, result: ReconfigResult, layout: str, kv_tokens: int | None = None) -> None:
+        """A switch to `layout` succeeded; `kv_tokens`: KV tokens one of its replicas holds (None: not known)."""
         self.num_reconfigs += 1
         self.num_migrated += len(result.migrated)
         self.num_recomputed += len(result.recomputed)
@@ -52,7 +53,7 @@ class StageMetrics:
         for phase, s in result.phase_s.items():
             self.add_phase(phase, s)
         self.last_switch_s = time.perf_counter()
-        self.record_layout(layout)
+        self.record_layout(layout, kv_tokens)
 
     def record_rebalance(self, phase_s: dict[str, float], num_moved: int, num_migrated: int,
                          num_recomputed: int) -> None:
@@ -71,10 +72,14 @@ class StageMetrics:
     def add_phase(self, phase: str, seconds: float) -> None:
         self.phase_s[phase] = self.phase_s.get(phase, 0.0) + seconds
 
-    def record_layout(self, layout: str) -> None:
+    def record_layout(self, layout: str, kv_tokens: int | None = None) -> None:
+        """The stage runs in `layout` from now; `kv_tokens`: KV tokens one of its replicas holds, if the pool
+        reports it (`Pool.kv_tokens`)."""
         if self.layouts and self.layouts[-1][1] != layout:
             self.replica_finish_s.clear()  # the finish spread is over the replicas of the last layout
         self.layouts.append((time.perf_counter() - self.start_s, layout, self.num_polls))
+        if kv_tokens is not None:
+            self.kv_tokens.append((layout, kv_tokens))
 
     def finish(self) -> None:
         self.end_s = time.perf_counter()
@@ -105,6 +110,9 @@ class StageMetrics:
             # the same by the stage's poll count: the decisions a simulator replays (sim.policies.ReplayPolicy)
             f"{prefix}/layout_polls": " -> ".join(f"{layout}@{polls}" for _, layout, polls in self.layouts),
         }
+        if self.kv_tokens:  # KV capacity per replica: in the layout the stage ended in, and at each layout
+            out[f"{prefix}/kv_tokens_per_replica"] = self.kv_tokens[-1][1]
+            out[f"{prefix}/kv_tokens_layouts"] = " -> ".join(f"{layout}:{n}" for layout, n in self.kv_tokens)
         for phase, s in sorted(self.phase_s.items()):
             out[f"{prefix}/reconfig_{phase}_s"] = s
         for phase, s in sorted(self.rebalance_phase_s.items()):

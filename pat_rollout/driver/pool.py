@@ -49,6 +49,9 @@ class Pool(ABC):
     layout: Layout
     base: Layout
     supports_rebalance: bool = False  # the planner offers rebalancing only where this is True
+    # KV tokens one replica of the current layout holds (`planner.capacity.tokens_in_room`), where the pool
+    # reports it (SglPool); None where it does not. Read into the stage metrics at each layout.
+    kv_tokens: int | None = None
 
     @abstractmethod
     def check_request(self, request: Request) -> None:

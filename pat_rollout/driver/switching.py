@@ -111,12 +111,12 @@ class Switching:
         except ReconfigurationError as e:
             self._stage.num_failed_reconfigs += 1
             self._assignment = dict(e.assignment)
-            self._stage.record_layout(str(self.layout))
+            self._stage.record_layout(str(self.layout), self.pool.kv_tokens)
             raise
         self.last_reconfig = result
         self._record_reconfig(src_tp, num_tokens, time.perf_counter() - t0)
         self._assignment = {rid: result.assignment[rid] for rid in self._assignment}
-        self._stage.record_reconfig(result, str(self.layout))
+        self._stage.record_reconfig(result, str(self.layout), self.pool.kv_tokens)
 
     def _apply_rebalance(self, moves: dict[str, int]) -> None:
         try:

@@ -49,6 +49,7 @@ class _Planner:
 
 class _FailingPool:
     layout = base = Layout.uniform(2, 1)
+    kv_tokens = None
 
     def reconfigure(self, dst_tp, assignment):
         raise ReconfigurationError("injected", dict(assignment))
