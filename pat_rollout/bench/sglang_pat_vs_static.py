@@ -8,8 +8,8 @@
         --num-prompts 4 --samples 2 --max-new-tokens 64 --repeats 3
 
 Everything runs in one process, all alive at once, interleaved round by round (order reversed every other round):
-- stock: unmodified `sglang.Engine`s (`bench.sglang_stock`) with the pool's launch settings (overlap scheduling off
-  as in the pool unless `--stock-overlap`): N TP1 engines (one core / device each) and one TPN engine;
+- stock: unmodified `sglang.Engine`s (`bench.sglang_stock`) with the pool's launch settings (overlap scheduling on
+  as in the pool, off with `--stock-no-overlap`): N TP1 engines (one core / device each) and one TPN engine;
 - pool static: one SglPool per static TP (base layout = that TP, never switched), driven by the same code as the
   stock engines (`Replicas`), so their ratio is the pool's own cost per decode step (goal <= 1.05);
 - PAT: a RolloutDriver (planner on `--profile`, start at TP1) generating the stage.
@@ -88,8 +88,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--profile", default="h100_llama31_8b", help="latency profile for the PAT planner")
     ap.add_argument("--dtype", default=None, help="default: bfloat16 on GPU, float32 on CPU")
     ap.add_argument("--kv-handoff", default="auto", choices=["auto", "migrate", "recompute"])
-    ap.add_argument("--stock-overlap", action="store_true",
-                    help="stock engines with SGLang's overlap scheduler (default: off, as the pool runs)")
+    ap.add_argument("--stock-no-overlap", action="store_true",
+                    help="stock engines without SGLang's overlap scheduler (default: on, as the pool runs)")
     ap.add_argument("--mem-fraction", type=float, default=0.15,
                     help="GPU only: SGLang mem_fraction_static of every engine (5 share each device)")
     ap.add_argument("--repeats", type=int, default=3, help="interleaved rounds; medians and min-max are shown")
@@ -149,7 +149,7 @@ def run_rounds(args, common: dict, spec, requests: list[Request], batch: list[Re
             for i in range(n // tp):
                 sgl = launch_stock_engine(common["model_path"], tp_size=tp, device=device, index=i,
                                           dtype=common["dtype"], random_seed=cfg.seed,
-                                          disable_overlap_schedule=not args.stock_overlap, **common["engine_args"])
+                                          disable_overlap_schedule=args.stock_no_overlap, **common["engine_args"])
                 engines.append(SGLangEngine(common["model_path"], tp_size=tp, sgl=sgl))
                 closers.append(engines[-1].shutdown)
             stock[tp] = Replicas([(e, 0) for e in engines])

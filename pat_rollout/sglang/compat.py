@@ -206,16 +206,20 @@ def insert_prefix(tree, tokens: list[int], slots: torch.Tensor) -> int:
     return int(tree.insert(InsertParams(key=_radix_key(tokens), value=slots)).prefix_len)
 
 
-def resize_kv_heads(pool, head_num: int) -> None:
-    """Re-create an MHA pool's K/V buffers for `head_num` local heads with SGLang's own `_create_buffers`
-    (which also refreshes `data_ptrs` / `data_strides` in both versions). 0.5.12 has no `v_row_dim`."""
-    pool.k_buffer = pool.v_buffer = None
-    pool.head_num = head_num
-    pool.row_dim = head_num * pool.head_dim
-    if hasattr(pool, "v_row_dim"):
-        pool.v_row_dim = head_num * pool.v_head_dim
-    pool._create_buffers()
-    if getattr(pool, "_kv_copy_config", None) is not None:  # CUDA: copy tiling follows the row size
+def refresh_kv_pointers(pool) -> None:
+    """After `kv_room` re-viewed an MHA pool's K/V buffers: the per-buffer address / stride tables SGLang's KV
+    copy kernels read (0.5.23: `_build_kv_buffer_descs` + `_init_data_ptrs_and_strides`; 0.5.12 builds them
+    inline in `_create_buffers`, repeated here), and on CUDA the copy tiling, which follows the row size."""
+    if hasattr(pool, "_init_data_ptrs_and_strides"):
+        pool._kv_buffer_descs = pool._build_kv_buffer_descs()
+        pool._init_data_ptrs_and_strides()
+    else:  # 0.5.12
+        bufs = [*pool.k_buffer, *pool.v_buffer]
+        pool.k_data_ptrs = torch.tensor([x.data_ptr() for x in pool.k_buffer], dtype=torch.uint64, device=pool.device)
+        pool.v_data_ptrs = torch.tensor([x.data_ptr() for x in pool.v_buffer], dtype=torch.uint64, device=pool.device)
+        pool.data_ptrs = torch.cat([pool.k_data_ptrs, pool.v_data_ptrs], dim=0)
+        pool.data_strides = torch.tensor([x[0].numel() * x.element_size() for x in bufs], device=pool.device)
+    if getattr(pool, "_kv_copy_config", None) is not None:  # CUDA
         pool._init_kv_copy_and_warmup()
 
 

@@ -123,8 +123,12 @@ STATIC: tuple[Need, ...] = (
     _n("compat.prefix_indices, insert_prefix, pool_switch._flush",
        f"{MC}.radix_cache:RadixCache.match_prefix + {MC}.radix_cache:RadixCache.insert + "
        f"{MC}.radix_cache:RadixCache.reset"),
-    _n("compat.resize_kv_heads", f"{MC}.memory_pool:MHATokenToKVPool._create_buffers + "
+    _n("compat.refresh_kv_pointers (0.5.23; 0.5.12 builds the tables inline)",
+       f"{MC}.memory_pool:MHATokenToKVPool._build_kv_buffer_descs + "
+       f"{MC}.memory_pool:MHATokenToKVPool._init_data_ptrs_and_strides + "
+       f"{MC}.memory_pool:MHATokenToKVPool._init_kv_copy_and_warmup",
        f"{MC}.memory_pool:MHATokenToKVPool._init_kv_copy_and_warmup"),
+    _n("kv_room._set_limits", f"{TPW}.get_worker_info + {MR}.max_token_pool_size"),
     _n("pool_switch._flush", f"{MC}.memory_pool:ReqToTokenPool.clear"),
     _n("pool_switch._flush, _insert_prefix", f"{MC}.allocator:TokenToKVPoolAllocator.clear + "
        f"{MC}.allocator:TokenToKVPoolAllocator.alloc + {MC}.allocator:TokenToKVPoolAllocator.free"),
@@ -153,10 +157,17 @@ SCHEDULER: tuple[Need, ...] = (
        f" + {_RUNNER}.model.config"),
     _n("live_model._hf_config_dict", f"{_RUNNER}.model_config.hf_config.to_dict"),
     _n("pool_switch: KV pool", *(" + ".join(f"{_RUNNER}.token_to_kv_pool.{a}" for a in (
-        "k_buffer", "v_buffer", "head_num", "head_dim", "row_dim", "v_head_dim")),)),
+        "k_buffer", "v_buffer", "head_num", "head_dim", "row_dim", "v_head_dim", "size", "page_size",
+        "layer_num", "device")),)),
+    _n("kv_room._set_limits: SGLang's token limits", " + ".join(
+        [f"{_RUNNER}.{a}" for a in ("max_total_num_tokens", "model_config.context_len")]
+        + [f"scheduler:{a}" for a in ("max_total_num_tokens", "max_req_len", "max_req_input_len",
+                                      "token_to_kv_pool_allocator.size", "token_to_kv_pool_allocator.page_size")])),
     _n("pool_switch._check_idle, _flush, pat_switch", " + ".join(f"scheduler:{a}" for a in (
         "running_batch", "waiting_queue", "chunked_req", "last_batch", "tree_cache",
         "req_to_token_pool", "token_to_kv_pool_allocator", "skip_tokenizer_init"))),
+    # `result_queue` exists only in the overlap event loop, which _drain reads only when enable_overlap is set
+    _n("pool_switch._drain: the overlap loop's queued result", "scheduler:enable_overlap"),
     _n("pool_switch._reseed: the engine's seed", "scheduler:server_args.random_seed"),
     _n("compat.weights_region: reshard/restore allocations", f"{_RUNNER}.memory_saver_adapter.region"),
     _n("compat.install_output_sockets", "scheduler:ipc_channels.send_to_detokenizer",

@@ -49,16 +49,15 @@ def check_model(config: PatRolloutConfig) -> ModelSpec:
         spec.check_tp(tp)
     smallest = min(config.tp_sizes)
     if config.initial_tp > smallest:
-        # SGLang sizes its KV pool (token count from mem_fraction_static, heads per rank) once, in the base
-        # layout, and the pool keeps that token count in every layout: a smaller TP holds more KV heads per
-        # rank for the same tokens, which the memory budget never accounted for (OOM on a GPU).
-        heads = (max(1, spec.num_kv_heads // config.initial_tp), max(1, spec.num_kv_heads // smallest))
+        # SGLang splits its memory budget (mem_fraction_static) once, in the base layout: weights of that TP,
+        # the rest KV. The KV storage follows the layout (kv_room), the weights cannot: a smaller TP holds
+        # more of them per rank than the budget accounted for (OOM on a GPU).
         raise ValueError(
             f"backend='sglang': initial_tp={config.initial_tp} is above the smallest TP size {smallest} of "
-            f"tp_sizes={config.tp_sizes}; SGLang sizes the KV pool for the base layout ({heads[0]} of "
-            f"num_kv_heads={spec.num_kv_heads} per rank) and keeps its token count, so TP{smallest} would need "
-            f"{heads[1] / heads[0]:g}x the KV memory per rank. Start in the smallest TP (initial_tp={smallest}) "
-            f"or drop the smaller sizes from candidate_tps")
+            f"tp_sizes={config.tp_sizes}; SGLang sizes its memory for the base layout's weights (1/"
+            f"{config.initial_tp} per rank), so TP{smallest} would need {config.initial_tp / smallest:g}x the "
+            f"weight memory per rank. Start in the smallest TP (initial_tp={smallest}) or drop the smaller "
+            f"sizes from candidate_tps")
     return spec
 
 
@@ -88,8 +87,8 @@ def launch_pool_engine(config: PatRolloutConfig, layouts: dict[int, Layout], dev
 
 def pool_engine_args(config: PatRolloutConfig, **overrides: Any) -> dict[str, Any]:
     """The ServerArgs an SglPool sets on top of `launch.server_kwargs` (`overrides`, e.g. engine_args, win).
-    No overlap scheduling: a switch RPC must find no batch in flight (the overlap loop processes the previous
-    batch's result after the next iteration's input requests, i.e. after the switch). No CUDA graphs, decode
+    Overlap scheduling stays on (SGLang's default): a switch RPC first processes the batch still in flight
+    (`pool_switch._drain`, as SGLang's own pause does). No CUDA graphs, decode
     or prefill (piecewise): they would capture the base layout's modules, which a switch replaces (recapture
     per layout is future work). `max_running_requests` per rank, i.e. per replica, as verl's SGLang server
     passes its `max_num_seqs`. A SIGQUIT from a failed scheduler must not kill the driver's process
@@ -97,9 +96,9 @@ def pool_engine_args(config: PatRolloutConfig, **overrides: Any) -> dict[str, An
     from pat_rollout.sglang import compat
     from pat_rollout.sglang.rank_rpc import child_failed
 
-    kw: dict[str, Any] = dict(dtype=config.dtype, random_seed=config.seed, disable_overlap_schedule=True,
-                              disable_cuda_graph=True, max_running_requests=config.max_num_seqs,
-                              custom_sigquit_handler=child_failed, **compat.prefill_graph_off_args())
+    kw: dict[str, Any] = dict(dtype=config.dtype, random_seed=config.seed, disable_cuda_graph=True,
+                              max_running_requests=config.max_num_seqs, custom_sigquit_handler=child_failed,
+                              **compat.prefill_graph_off_args())
     kw.update(overrides)
     return kw
 
@@ -133,7 +132,10 @@ class SglPool(Pool):
         self._prefill_tokens = 0  # tokens submitted since the last step (its deadline covers their prefill)
         self.pids: dict[int, int] = {}  # WORLD rank -> scheduler process id (dead-scheduler check)
         self._check_inventory()
-        self.pids = {i["rank"]: i["pid"] for i in self.info()}
+        info = self.info()
+        self.pids = {i["rank"]: i["pid"] for i in info}
+        # KV tokens one replica of the current layout holds: SGLang's pool size on each of its ranks (kv_room)
+        self.kv_tokens = min(i["kv_tokens"] for i in info)
         self.client.watch = self._check_alive
         self._rpc("pat_backup_base")
         logger.info("SglPool up in %.1f s: %d SGLang ranks on %s, layout %s", self.startup_s, self.num_devices,
@@ -205,7 +207,7 @@ class SglPool(Pool):
                              f"{spec.max_position_embeddings}")
         if total > self.client.max_total_num_tokens:
             raise ValueError(f"request {request.request_id!r} can never fit: {total} tokens > the KV pool's "
-                             f"{self.client.max_total_num_tokens} tokens")
+                             f"{self.client.max_total_num_tokens} tokens in the base layout")
 
     # ---- serving ---------------------------------------------------------------------------------
     def add_requests(self, per_replica: dict[int, list[Request]]) -> None:
@@ -239,8 +241,9 @@ class SglPool(Pool):
             out[r] = (StepResult(finished=finished, num_steps=num_steps, num_decode_tokens=decoded,
                                  num_prefill_tokens=0, num_running=len(running), num_waiting=0,
                                  elapsed_s=res.elapsed_s),
-                      EngineSnapshot(running=running, num_waiting=0, num_free_blocks=snap.num_free_blocks,
-                                     num_total_blocks=snap.num_total_blocks, block_size=snap.block_size))
+                      EngineSnapshot(running=running, num_waiting=0, num_total_blocks=self.kv_tokens, block_size=1,
+                                     num_free_blocks=max(0, self.kv_tokens - sum(
+                                         i.num_prompt_tokens + i.num_output_tokens for i in running))))
         for o in res.finished:
             self._replica.pop(o.request_id, None)
         return out
@@ -303,6 +306,7 @@ class SglPool(Pool):
             err.assignment = {rid: self._replica[rid] for rid in assignment if rid in self._replica}
             raise err from e
         self.layout = dst
+        self.kv_tokens = min(r["kv_tokens"] for r in per_rank)
         for phase in ("kv_handoff", "reshard", "switch"):
             result.phase_s[phase] = max(r["phase_s"][phase] for r in per_rank)
         t = time.perf_counter()
@@ -337,8 +341,9 @@ class SglPool(Pool):
             self._replica.update({s.request_id: r for s in ss})
 
     def _rollback(self, states: list[RequestState]) -> None:
-        self._rpc("pat_restore_base", path="")
+        per_rank = self._rpc("pat_restore_base", path="")
         self.layout = self.base
+        self.kv_tokens = min(r["kv_tokens"] for r in per_rank)
         self._submit(states, balance_states(states, self.base.num_replicas))
 
     # ---- weights, memory, info -------------------------------------------------------------------

@@ -4,14 +4,18 @@ The driver first aborts every unfinished request through SGLang's own API and ke
 the aborts return. SGLang checkpoints a finished (here: aborted) request's KV into its radix tree, so each
 rank's tree still holds the KV of the requests its replica ran. `pat_switch` then, on every rank at once:
 
+0. drain: with overlap scheduling the last batch's result may still be queued; process it as SGLang's own
+   pause does (`_drain`);
 1. export: for each request chosen for migration, the longest prefix of its tokens cached in the old replica's
-   trees (the same on every rank of the replica; the minimum is taken to be safe);
+   trees (the same on every rank of the replica; the minimum is taken to be safe), at most all tokens but the
+   last (the resubmission prefills at least that one);
 2. KV hand-off: pat_rollout's `plan_kv` + `gather_kv` over the WORLD's device group: each new rank receives the
    KV heads it needs (`kv_heads_for_rank`) for the tokens its new replica will continue;
 3. flush SGLang's radix tree and KV pool (the exported pieces are copies by now);
 4. reshard the live parameters with `plan_weights` + `reshard_local` (grow: in place, zero bytes moved; shrink:
    receives over the same group) and rebuild the module tree for the new layout around them;
-5. reshape the KV pool for the new head count and insert every received prefix into the radix tree;
+5. view the same KV storage for the new head count and set SGLang's token limits (`kv_room`: a TPk replica
+   holds k times a TP1 replica's tokens), then insert every received prefix into the radix tree;
 6. reseed every RNG SGLang's sampler draws from, the same on every rank of a replica (`_reseed`).
 
 The driver then resubmits every request (prompt + generated tokens, remaining budget) to its new replica: SGLang's
@@ -35,7 +39,7 @@ from pat_rollout.layout.layout import Layout
 from pat_rollout.layout.shard import kv_heads_for_rank
 from pat_rollout.layout.transition import plan_weights
 from pat_rollout.reshard.apply import reshard_local
-from pat_rollout.sglang import compat, pool_hooks, rank_rpc
+from pat_rollout.sglang import compat, kv_room, pool_hooks, rank_rpc
 from pat_rollout.sglang.live_model import _hf_config_dict, rebuild_model_for_current_tp, sglang_specs
 from pat_rollout.types import ModelSpec
 
@@ -76,11 +80,30 @@ def _maybe_fail(phase: str) -> None:
     raise RuntimeError(f"injected failure in SglPool switch phase {phase!r} on rank {st.rank}")
 
 
+def _drain(self) -> list[str]:
+    """Leave no batch in flight; returns the rids of unfinished requests the last batch held.
+
+    With overlap scheduling SGLang's event loop launches batch N+1 before it processes batch N's result, so an
+    RPC (read at the top of an iteration) finds the last batch's result still queued: process it now, as
+    SGLang's own `pause_generation` does, so that no result of the old layout's batch lands after the switch
+    (on a flushed pool, through rebuilt modules). Then forget the batch: the loop's next iteration must not
+    process it again, and a prefill batch's requests are merged into the running batch only from it."""
+    last = self.last_batch
+    if last is None:
+        return []
+    if self.enable_overlap:
+        batch, result = self.result_queue.popleft()
+        self.process_batch_result(batch, result)
+    self.last_batch = None
+    return [r.rid for r in last.reqs if not r.finished()]
+
+
 def _check_idle(self) -> None:
     """No unfinished request may be left. Aborted requests whose final output was already sent can still sit
     in the running batch until the next scheduling step filters them: drop them here (their KV is released)."""
+    busy = _drain(self)
     reqs = self.running_batch.reqs if self.running_batch is not None else []
-    busy = [r.rid for r in reqs if not r.finished()]
+    busy += [r.rid for r in reqs if not r.finished()]
     if busy or self.waiting_queue or self.chunked_req is not None:
         raise RuntimeError(f"rank {pool_hooks.STATE.rank}: switch needs an idle scheduler, found running {busy} and "
                            f"{len(self.waiting_queue)} waiting requests (the driver aborts them first)")
@@ -101,13 +124,6 @@ def _kv_pool(self):
     if getattr(pool, "kv_cache_layout", "nhd") != "nhd" or getattr(pool, "use_hnd", False):
         raise NotImplementedError(f"SglPool moves KV of the NHD pool layout only, got {pool.kv_cache_layout!r}")
     return pool
-
-
-def _reshape_kv_pool(pool, head_num: int) -> None:
-    """Re-create the pool's K/V buffers for `head_num` local heads (same token capacity) with SGLang's own
-    buffer code. Its content is dropped: the switch flushed the tree first."""
-    if pool.head_num != head_num:
-        compat.resize_kv_heads(pool, head_num)
 
 
 def _insert_prefix(self, pool, tokens: list[int], kv: torch.Tensor) -> None:
@@ -218,7 +234,9 @@ def _switch(self, state: dict[str, str], transport, dst_groups: list[list[int]],
     except Exception as e:
         error = e
     lens = _agree(error, "export", {rid: len(ix) for rid, ix in held.items()})
-    cached = {m[0]: min(lens[r][m[0]] for r in src_groups[m[0]]) for m in moves}
+    # All but the last token at most: SGLang prefills at least one token of a resubmission, so a longer prefix
+    # would not be found whole (with overlap scheduling the tree can already hold the last token's KV).
+    cached = {m[0]: min([len(m[1]) - 1] + [lens[r][m[0]] for r in src_groups[m[0]]]) for m in moves}
     kv_moves = [(m[0], src.groups[m[2]], dst.groups[m[3]], cached[m[0]]) for m in moves if cached[m[0]] > 0]
     plan = plan_kv(kv_moves, num_kv_heads)
     old_lo = kv_heads_for_rank(num_kv_heads, src.position(rank)[1], src.tp_size)[0]
@@ -264,7 +282,7 @@ def _switch(self, state: dict[str, str], transport, dst_groups: list[list[int]],
     with compat.weights_region(self.server_args, runner):
         _rebuild(self, new_params, dst.tp_size)
     lo, hi = kv_heads_for_rank(num_kv_heads, dst.position(rank)[1], dst.tp_size)
-    _reshape_kv_pool(pool, hi - lo)
+    kv_tokens = kv_room.set_layout(self, num_kv_heads=num_kv_heads, tp=dst.tp_size, head_num=hi - lo)
     tokens = {m[0]: m[1] for m in moves}
     _reinit_attention(self)
     state["phase"] = "import"
@@ -277,7 +295,7 @@ def _switch(self, state: dict[str, str], transport, dst_groups: list[list[int]],
                             bytes_moved=sum(t.num_heads * t.num_tokens for t in plan.transfers if not t.is_local
                                             and t.dst_device == rank) * len(pool.k_buffer) * 2 * pool.head_dim
                             * pool.k_buffer[0].element_size(),
-                            layout=[list(g) for g in st.groups], kv_heads=int(pool.head_num)))
+                            layout=[list(g) for g in st.groups], kv_heads=int(pool.head_num), kv_tokens=kv_tokens))
 
 
 def pat_restore_base(self, path: str) -> None:
@@ -288,6 +306,7 @@ def pat_restore_base(self, path: str) -> None:
     rank_rpc.enter("rollback")
     _maybe_fail("rollback")
     runner = self.tp_worker.model_runner
+    _drain(self)  # nothing of the failed layout's batches may land later; what was running is resubmitted
     _flush(self)
     base = Layout(st.base)
     with compat.weights_region(self.server_args, runner):  # what release frees (see pat_switch)
@@ -296,10 +315,10 @@ def pat_restore_base(self, path: str) -> None:
         _rebuild(self, params, base.tp_size)
     num_kv_heads = ModelSpec.from_hf_config(_hf_config_dict(self)).num_kv_heads
     lo, hi = kv_heads_for_rank(num_kv_heads, base.position(st.rank)[1], base.tp_size)
-    _reshape_kv_pool(_kv_pool(self), hi - lo)
+    kv_tokens = kv_room.set_layout(self, num_kv_heads=num_kv_heads, tp=base.tp_size, head_num=hi - lo)
     _reinit_attention(self)
     reseed_s = _reseed(self)  # a base replica of several ranks may have diverged in the layout left behind
-    _write(path, st.rank, dict(layout=[list(g) for g in st.groups], reseed_s=reseed_s))
+    _write(path, st.rank, dict(layout=[list(g) for g in st.groups], reseed_s=reseed_s, kv_tokens=kv_tokens))
 
 
 def pat_backup_base(self) -> None:
@@ -325,9 +344,12 @@ def pat_pool_info(self, path: str) -> None:
     pool = self.tp_worker.model_runner.token_to_kv_pool
     _write(path, st.rank, dict(rank=st.rank, pid=os.getpid(), layout=[list(g) for g in st.groups],
                                replica=st.replica, leader=st.is_leader, kv_heads=int(pool.head_num),
+                               kv_tokens=int(pool.size), kv_storage=kv_room.storage_ptrs(pool),
+                               kv_limits=kv_room.limits(self),
                                group_ids={str(tp): id(c) for tp, c in st.coordinators.items()},
                                params={n: list(p.shape) for n, p in self.tp_worker.model_runner.model.named_parameters()},
-                               num_running=len(self.running_batch.reqs) if self.running_batch is not None else 0))
+                               num_running=len(self.running_batch.reqs) if self.running_batch is not None else 0,
+                               num_waiting=len(self.waiting_queue)))
 
 
 def _write(path: str, rank: int, obj: dict) -> None:

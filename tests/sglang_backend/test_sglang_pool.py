@@ -100,6 +100,9 @@ def test_switch_mid_decode_equals_hf(tiny_models, hf_reference, arch, handoff):
         _check_equal_hf(outs, reqs, path, hf_reference)
         metrics = driver.stage_metrics()
         assert metrics["pat/num_reconfigs"] == 2
+        # KV capacity per replica at each layout: the TP2 replica holds twice a TP1 one's (+ SGLang's padding slot)
+        kv = [int(x.rsplit(":", 1)[1]) for x in metrics["pat/kv_tokens_layouts"].split(" -> ")]
+        assert len(kv) == 3 and kv[1] == 2 * kv[0] + 1 and kv[2] == kv[0] == metrics["pat/kv_tokens_per_replica"]
     finally:
         driver.shutdown()
 

@@ -80,7 +80,7 @@ def test_initial_tp_above_smallest_tp_is_refused(tiny_models):
     cfg = PatRolloutConfig(model_path=tiny_models["llama"], num_devices=2, backend="sglang", initial_tp=2,
                            candidate_tps=(1, 2), policy="manual")
     with pytest.raises(ValueError, match=r"initial_tp=2 is above the smallest TP size 1 of tp_sizes=\(1, 2\).*"
-                                         r"1 of num_kv_heads=2 per rank.*TP1 would need 2x the KV memory"):
+                                         r"weights \(1/2 per rank\).*TP1 would need 2x the weight memory"):
         check_model(cfg)
     # the static baseline in TP2 and PAT starting in the smallest TP are fine
     assert check_model(dataclasses.replace(cfg, policy="static")).num_kv_heads == 2

@@ -1,0 +1,95 @@
+"""KV room follows the layout on the SGLang pool (real SGLang, CPU, tiny Qwen3 with 2 KV heads).
+
+SGLang allocates its KV storage once, for the base layout (2 x TP1: every rank holds both KV heads). A switch to
+1 x TP2 views the same storage (same addresses) for one head per rank, so the TP2 replica holds twice the tokens
+of a TP1 replica (`planner.capacity.tokens_in_room`), and SGLang's scheduler admits against the new limits. With
+a KV budget that fits two of four requests, one TP1 replica runs two and queues two; after the switch the TP2
+replica runs all four at once, and the outputs equal HF greedy. Back in 2 x TP1 every limit is what it was.
+Overlap scheduling is on (the pool's default).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+pytest.importorskip("sglang.srt")
+
+from pat_rollout.config import PatRolloutConfig  # noqa: E402
+from pat_rollout.types import Request, SamplingParams  # noqa: E402
+
+pytestmark = [pytest.mark.sglang, pytest.mark.slow]
+
+PROMPT, MAX_NEW = 16, 112  # 128 tokens per request
+KV_TOKENS = 300  # per TP1 replica: two requests fit (256), three do not (384); TP2 holds ~600: four fit (512)
+
+
+def _wait_info(pool, pred, what: str, timeout: float = 120.0) -> list[dict]:
+    """Every rank's `pat_pool_info` once `pred` holds; the client's loop runs meanwhile (it sends the requests
+    and reads their streams)."""
+    t0 = time.time()
+    while time.time() - t0 < timeout:
+        info = pool.info()
+        if pred(info):
+            return info
+        pool.client.loop.run_until_complete(asyncio.sleep(0.05))
+    raise TimeoutError(f"{what} not seen in {timeout} s; last info: "
+                       f"{[(i['num_running'], i['num_waiting']) for i in info]}")
+
+
+@pytest.mark.timeout(900)
+def test_tp2_replica_admits_what_a_tp1_replica_queued(tiny_models, hf_reference):
+    from pat_rollout.layout import Layout
+    from pat_rollout.planner.capacity import tokens_in_room
+    from pat_rollout.sglang.pool import SglPool, check_model
+
+    path = tiny_models["qwen3"]
+    cfg = PatRolloutConfig(model_path=path, num_devices=2, backend="sglang", initial_tp=1, candidate_tps=(1, 2),
+                           policy="manual", kv_handoff="recompute", dtype="float32",
+                           engine_args={"max_total_tokens": KV_TOKENS})
+    spec = check_model(cfg)
+    pool = SglPool(cfg, spec, Layout.uniform(2, 1), device="cpu")
+    try:
+        assert pool.client.sgl.server_args.disable_overlap_schedule is False
+        base = pool.info()
+        assert [i["kv_tokens"] for i in base] == [KV_TOKENS] * 2 and pool.kv_tokens == KV_TOKENS
+        storage = [i["kv_storage"] for i in base]
+        sp = SamplingParams(max_new_tokens=MAX_NEW, ignore_eos=True)
+        reqs = [Request(request_id=f"k{i}", prompt_token_ids=tuple(range(3 + 7 * i, 3 + 7 * i + PROMPT)),
+                        sampling=sp) for i in range(4)]
+        pool.add_requests({0: reqs})  # all four on the first TP1 replica (rank 0)
+        info = _wait_info(pool, lambda x: x[0]["num_running"] == 2 and x[0]["num_waiting"] == 2,
+                          "2 running + 2 waiting on rank 0")
+        assert info[1]["num_running"] == info[1]["num_waiting"] == 0
+        pool.client.loop.run_until_complete(asyncio.sleep(0.3))  # some decode steps later still only two fit
+        assert [(i["num_running"], i["num_waiting"]) for i in pool.info()] == [(2, 2), (0, 0)]
+
+        pool.reconfigure(2, dict(pool._replica))
+        grown = pool.info()
+        # the same storage, viewed for one KV head per rank: twice the slots (SGLang keeps one padding slot)
+        assert [i["kv_storage"] for i in grown] == storage
+        assert [i["kv_heads"] for i in grown] == [1, 1]
+        per_token = spec.kv_bytes_per_token(1, 4)  # every KV head, float32
+        expect = tokens_in_room((KV_TOKENS + 1) * per_token, kv_bytes_per_token=per_token,  # + 1 padding slot
+                                num_kv_heads=spec.num_kv_heads, tp=2) - 1
+        assert expect == 2 * KV_TOKENS + 1 and pool.kv_tokens == expect
+        for i in grown:
+            lim = i["kv_limits"]
+            assert i["kv_tokens"] == lim["pool_size"] == lim["allocator_size"] == lim["max_total_num_tokens"] == expect
+        # the TP2 replica admits all four at once
+        info = _wait_info(pool, lambda x: all(i["num_running"] == 4 and i["num_waiting"] == 0 for i in x),
+                          "4 running on both ranks of the TP2 replica")
+        outs = {o.request_id: o for o in pool.client.run_to_completion(timeout=600)}
+        for r in reqs:
+            ref_ids, _ = hf_reference(path, list(r.prompt_token_ids), MAX_NEW)
+            assert outs[r.request_id].finish_reason == "length"
+            assert list(outs[r.request_id].token_ids) == ref_ids, r.request_id
+
+        pool.reconfigure(1, {})
+        back = pool.info()
+        assert [i["kv_storage"] for i in back] == storage and pool.kv_tokens == KV_TOKENS
+        assert [i["kv_limits"] for i in back] == [i["kv_limits"] for i in base]
+    finally:
+        pool.shutdown()
