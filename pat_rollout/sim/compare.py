@@ -11,7 +11,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from pat_rollout.kv.cost import handoff_cost
-from pat_rollout.planner.lookahead import EngineSpec
+from pat_rollout.planner.engine_spec import EngineSpec
 from pat_rollout.planner.policy import Planner, PlannerConfig
 from pat_rollout.profile.model import LatencyModel
 from pat_rollout.sim.hardware import SimHardware
