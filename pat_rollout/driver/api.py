@@ -24,6 +24,7 @@ from pat_rollout.types import Request, RequestOutput
 
 logger = logging.getLogger(__name__)
 
+
 class RolloutDriver(DriverLoop):
     """A PAT rollout pool of `config.num_devices` devices. Thread-safe `submit`; blocking `generate`.
 

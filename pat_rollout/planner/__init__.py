@@ -27,6 +27,6 @@ from pat_rollout.planner.state import ClusterState, Decision, ReplicaLoad, ReqPr
 __all__ = [
     "ClusterState", "Decision", "EngineReplica", "EngineReq", "EngineSpec", "LengthPredictor", "Lookahead",
     "LookaheadConfig", "SchedulerModel", "Move", "Option", "Planner", "PlannerConfig", "PredictorConfig",
-    "RebalanceCost", "RebalanceOption", "ReplicaLoad", "ReqProgress", "TransitionCost", "assign_new", "balance", "drain_s",
-    "plan_moves", "rebalance_cost", "rebalance_option", "replica_drain_s", "transition_cost",
+    "RebalanceCost", "RebalanceOption", "ReplicaLoad", "ReqProgress", "TransitionCost", "assign_new", "balance",
+    "drain_s", "plan_moves", "rebalance_cost", "rebalance_option", "replica_drain_s", "transition_cost",
 ]
