@@ -4,7 +4,8 @@ of bench.sim_policies (published-figure profiles: SIMULATED, not measured). Only
 statics), so every row is affordable; raw results go to JSON lines, one row a line as it finishes, and the table
 is re-printed from them without re-running:
 
-    python -m pat_rollout.bench.mixed_vs_uniform --out rows.jsonl [--shard 0/2]   # run (resumes: skips done rows)
+    python -m pat_rollout.bench.mixed_vs_uniform --out rows.jsonl [--shard 0/2] [--done other.jsonl ...]
+        # run (resumes: skips rows already in --out or in the --done files)
     python -m pat_rollout.bench.mixed_vs_uniform --table rows.jsonl [more.jsonl ...]  # print table + decision
 
 Decision (issue #26): build mixed layouts for real if mixed / uniform <= 0.98 at the median or <= 0.95 on any row.
@@ -115,6 +116,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--shard", default="0/1", help="i/k: run rows i, i+k, ... of the list")
     ap.add_argument("--only", default="", help="run these rows first, in this order: model/gpu/variant/trace,...")
     ap.add_argument("--out", help="JSON lines file to append finished rows to (rows already there are skipped)")
+    ap.add_argument("--done", nargs="+", default=[], help="also skip the rows in these JSON lines files")
     ap.add_argument("--table", nargs="+", help="print the table from these JSON lines files; run nothing")
     args = ap.parse_args(argv)
     order = rows(args.models, args.gpus, args.variants, args.traces)
@@ -122,7 +124,7 @@ def main(argv: list[str] | None = None) -> None:
         print(table(load(args.table), order))
         return
     i, k = map(int, args.shard.split("/"))
-    done = {key(r) for r in load([args.out])} if args.out and Path(args.out).exists() else set()
+    done = {key(r) for r in load([*args.done, *([args.out] if args.out and Path(args.out).exists() else [])])}
     first = [tuple(x.split("/", 3)) for x in args.only.split(",") if x]
     for row in [*first, *(r for r in order[i::k] if r not in first)]:
         if row in done:
