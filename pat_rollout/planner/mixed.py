@@ -289,8 +289,9 @@ class MixedPlanner:
         return best
 
     def _regroup_from_mixed(self, state: MixedState) -> Decision | None:
-        """The best whole-pool regroup from a mixed layout (pausing every block; the smallest block as the source
-        TP: it loads the most weights), if it saves more than the margin; the uniform planner's scoring."""
+        """The best whole-pool regroup from a mixed layout (pausing every block), if it saves more than the margin;
+        the uniform planner's scoring, the switch priced from the largest block (its devices load the most weights
+        for a shrink) or, to the largest block's TP, from the smallest (a priced switch, not a free one)."""
         p, cfg = self.planner, self.planner.config
         if len(p.switches) >= cfg.max_reconfigs_per_stage:
             return None
@@ -305,11 +306,12 @@ class MixedPlanner:
         now_s = max((replica_drain_s(model, size, [rem[r.request_id] for r in state.requests if r.replica == k],
                                      [r.num_tokens for r in state.requests if r.replica == k])
                      for k, (_, size) in enumerate(blocks)), default=0.0)
-        src = min(size for _, size in blocks)
+        sizes = [size for _, size in blocks]
         best = None
         for tp in sorted(cfg.candidate_tps):
-            if state.num_devices % tp or (cfg.only_grow and tp < src):
+            if state.num_devices % tp or (cfg.only_grow and tp < max(sizes)):
                 continue
+            src = max(sizes) if tp != max(sizes) else min(sizes)  # the largest weight load, never a zero cost
             cost = p._cost(model, state.num_devices, src, tp, tokens).total_s
             back = p._cost(model, state.num_devices, tp, src, tokens).total_s if tp < src else 0.0
             run = drain_s(model, tp=tp, num_devices=state.num_devices, remaining=remaining, num_tokens=tokens)

@@ -100,8 +100,11 @@ class MixedSim(Sim):
         before = self.sizes()
         Sim._reconfigure(self, action)
         last = self._samples[-1] if self._samples else None
-        if isinstance(last, ReconfigSample) and last.tp_src == 0:  # from a mixed layout: priced from its
-            self._samples[-1] = dataclasses.replace(last, tp_src=min(before))  # smallest block (_phase_s)
+        if isinstance(last, ReconfigSample) and last.tp_src == 0:  # from a mixed layout, priced from its smallest
+            if min(before) == last.tp_dst:  # block (_phase_s): no (tp_src, tp_dst) pair to calibrate
+                self._samples.pop()
+            else:
+                self._samples[-1] = dataclasses.replace(last, tp_src=min(before))
         self.blocks = [(i * self.tp, self.tp) for i in range(len(self.replicas))]
         if self.sizes() != before:
             self.layouts.append((self.schedule[-1][0], self.sizes()))

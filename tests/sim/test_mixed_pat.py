@@ -11,7 +11,7 @@ from pat_rollout.planner import Planner, PlannerConfig, ReqProgress
 from pat_rollout.planner.calibration import ReconfigSample
 from pat_rollout.planner.mixed import BuddyDecision, MixedPlanner, MixedState, longest_moves
 from pat_rollout.profile.model import LatencyModel
-from pat_rollout.sim.buddy import Merge, MixedSim
+from pat_rollout.sim.buddy import Merge, MixedSim, Split
 from pat_rollout.sim.compare import gpu_setup
 from pat_rollout.sim.mixed_pat import MixedPlannerPolicy, run_mixed_pat
 from pat_rollout.sim.policies import StaticPolicy
@@ -163,6 +163,9 @@ def test_a_mixed_layout_has_no_uniform_state_and_reports_a_switch_from_its_small
     sim.apply(Reconfigure(tp=4))
     sample = sim.view().samples[-1]
     assert isinstance(sample, ReconfigSample) and (sample.tp_src, sample.tp_dst) == (1, 4)
+    sim.apply(Split(start=4, size=4))
+    sim.apply(Reconfigure(tp=2))  # 4+2+2 -> 2+2+2+2: priced from the smallest block, so no pair to calibrate
+    assert sim.sizes() == (2, 2, 2, 2) and not any(isinstance(x, ReconfigSample) for x in sim.view().samples)
 
 
 def test_mixed_policy_turns_decisions_into_sim_actions(h100: LatencyModel) -> None:
