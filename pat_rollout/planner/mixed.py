@@ -208,23 +208,23 @@ class MixedPlanner:
                pull: tuple[str, ...], push: tuple[tuple[str, int], ...], now_s: float) -> BuddyDecision:
         start, size = state.blocks[i]
         starts = [s for s, _ in state.blocks]
-        pushed = dict(push)
+        pushed, pulled = dict(push), set(pull)
         merged = [r for r in (*on[i], *on[i + 1]) if r.request_id not in pushed]
-        merged += [r for r in state.requests if r.request_id in set(pull)]
+        merged += [r for r in state.requests if r.request_id in pulled]
         pause = self.planner._cost(self.model, 2 * size, size, 2 * size, [r.num_tokens for r in merged]).total_s
         new, per, pauses = [(start, 2 * size)], [merged], [pause]
         moved: set[int] = set()
         for k, reqs in enumerate(on):
             if k in (i, i + 1):
                 continue
-            keep = [r for r in reqs if r.request_id not in set(pull)]
+            keep = [r for r in reqs if r.request_id not in pulled]
             joins = [r for r in (*on[i], *on[i + 1]) if pushed.get(r.request_id) == starts[k]]
             if len(keep) == len(reqs) and not joins:
                 continue
             moved.add(k)
-            hand = rebalance_cost(self.model, tp=state.blocks[k][1],
-                                  moves=[Move(request_id=r.request_id, src=int(r.replica), dst=k)  # type: ignore[arg-type]
-                                         for r in joins], num_tokens={r.request_id: r.num_tokens for r in joins})
+            into_k = [Move(request_id=r.request_id, src=int(r.replica), dst=k) for r in joins]  # type: ignore[arg-type]
+            hand = rebalance_cost(self.model, tp=state.blocks[k][1], moves=into_k,
+                                  num_tokens={r.request_id: r.num_tokens for r in joins})
             new.append(state.blocks[k])
             per.append(keep + joins)
             pauses.append(hand.kv_s)

@@ -7,7 +7,9 @@ only while the layout is uniform. While its layout is uniform it is `Sim` itself
 whole-pool `Reconfigure` from a mixed layout pays Sim's phases with the smallest block as the source TP (the
 largest weight share any device loads). Mixed actions need the free-running driver (lockstep=False, SGLang
 servers): there each replica has its own clock, so the devices outside the regrouped block keep decoding while
-the block's replica starts anew at `t0 + its switch time`.
+the block's replica starts anew at `t0 + its switch time`. A policy reads a mixed layout through the view's
+`mixed_state` (planner.mixed.MixedState: blocks and progress, never true lengths); `state` (a ClusterState)
+exists only while the layout is uniform. sim/mixed_pat.py drives the mixed planner over it.
 """
 
 from __future__ import annotations
