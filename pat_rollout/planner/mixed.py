@@ -290,8 +290,9 @@ class MixedPlanner:
 
     def _regroup_from_mixed(self, state: MixedState) -> Decision | None:
         """The best whole-pool regroup from a mixed layout (pausing every block), if it saves more than the margin;
-        the uniform planner's scoring, the switch priced from the largest block (its devices load the most weights
-        for a shrink) or, to the largest block's TP, from the smallest (a priced switch, not a free one)."""
+        the uniform planner's scoring, the switch priced from the largest block (its devices load the most weights,
+        as MixedSim prices it) or, to the largest block's TP, from the smallest (the same weights: none; a priced
+        switch, not transition_cost's free one)."""
         p, cfg = self.planner, self.planner.config
         if len(p.switches) >= cfg.max_reconfigs_per_stage:
             return None

@@ -3,10 +3,10 @@ merges two buddy blocks or splits one, and only that block's devices pause for t
 
 `MixedSim` is `Sim` plus two actions (`Merge`, `Split`; Sim's `Batch` runs several at one poll, for replayed
 schedules, skipping those that no longer apply). Rebalances (`Rebalance`, the oracle's `HindsightRebalance`) run
-only while the layout is uniform. While its layout is uniform it is `Sim` itself, line for line (a uniform `Reconfigure` is Sim's); a
-whole-pool `Reconfigure` from a mixed layout pays Sim's phases with the smallest block as the source TP (the
-largest weight share any device loads). Mixed actions need the free-running driver (lockstep=False, SGLang
-servers): there each replica has its own clock, so the devices outside the regrouped block keep decoding while
+only while the layout is uniform. While its layout is uniform it is `Sim` itself, line for line (a uniform
+`Reconfigure` is Sim's); a whole-pool `Reconfigure` from a mixed layout pays Sim's phases with the largest block as
+the source TP (its devices hold the smallest weight share, so they load the most: w / tp_dst - w / largest,
+nothing for a grow). Mixed actions need the free-running driver (lockstep=False, SGLang servers): there each replica has its own clock, so the devices outside the regrouped block keep decoding while
 the block's replica starts anew at `t0 + its switch time`. A policy reads a mixed layout through the view's
 `mixed_state` (planner.mixed.MixedState: blocks and progress, never true lengths); `state` (a ClusterState)
 exists only while the layout is uniform. sim/mixed_pat.py drives the mixed planner over it.
@@ -102,18 +102,18 @@ class MixedSim(Sim):
         before = self.sizes()
         Sim._reconfigure(self, action)
         last = self._samples[-1] if self._samples else None
-        if isinstance(last, ReconfigSample) and last.tp_src == 0:  # from a mixed layout, priced from its smallest
-            if min(before) == last.tp_dst:  # block (_phase_s): no (tp_src, tp_dst) pair to calibrate
+        if isinstance(last, ReconfigSample) and last.tp_src == 0:  # from a mixed layout, priced from its largest
+            if max(before) == last.tp_dst:  # block (_phase_s): no (tp_src, tp_dst) pair to calibrate
                 self._samples.pop()
             else:
-                self._samples[-1] = dataclasses.replace(last, tp_src=min(before))
+                self._samples[-1] = dataclasses.replace(last, tp_src=max(before))
         self.blocks = [(i * self.tp, self.tp) for i in range(len(self.replicas))]
         if self.sizes() != before:
             self.layouts.append((self.schedule[-1][0], self.sizes()))
 
     def _phase_s(self, src: int, dst: int, migrate_bytes: float, devices: int | None = None) -> float:
-        if src == 0:  # a whole-pool switch from a mixed layout: the smallest block loads the most weights
-            src = min(self.sizes())
+        if src == 0:  # a whole-pool switch from a mixed layout: the largest block's devices load the most weights
+            src = max(self.sizes())
         return Sim._phase_s(self, src, dst, migrate_bytes, devices)
 
     def _record_poll(self, reps: list[Replica], before: dict, elapsed_s: float) -> None:

@@ -141,7 +141,7 @@ def test_the_planner_never_sees_true_lengths() -> None:
     """Two stages that differ only in how long the two long requests run: every decision is taken before they
     finish, so every one (and every layout up to the end) must be the same: the planner cannot tell the stages
     apart. It regroups part of the pool and, from a mixed layout, the whole pool (the path where the layout's TP
-    is 0: the switch's measurement names the smallest block as its source)."""
+    is 0: the switch's measurement names the largest block as its source)."""
     a, b = _run(8000), _run(9500)
     assert a.latency_s < b.latency_s
     assert [(d.step, d.reason) for d in a.decisions] == [(d.step, d.reason) for d in b.decisions]
@@ -150,7 +150,7 @@ def test_the_planner_never_sees_true_lengths() -> None:
     assert "merge" in kinds and any(getattr(d, "source_tp", None) == 0 for d in a.decisions), kinds
 
 
-def test_a_mixed_layout_has_no_uniform_state_and_reports_a_switch_from_its_smallest_block() -> None:
+def test_a_mixed_layout_has_no_uniform_state_and_a_whole_pool_switch_is_priced_from_its_largest_block() -> None:
     hw, _ = gpu_setup("h100", "llama31_8b", "central")
     sim = MixedSim(hw, _trace(3000), num_devices=8, policy=StaticPolicy(1))
     sim.run(stop=lambda s: s.step >= 50)
@@ -160,12 +160,21 @@ def test_a_mixed_layout_has_no_uniform_state_and_reports_a_switch_from_its_small
     assert {r.request_id for r in view.mixed_state.requests} == set(sim.where)
     with pytest.raises(ValueError, match="mixed_state"):
         view.state  # noqa: B018
-    sim.apply(Reconfigure(tp=4))
+    sim.apply(Reconfigure(tp=4))  # 2+1+1+1+1+1+1 -> 4+4: the source is the largest block
     sample = sim.view().samples[-1]
-    assert isinstance(sample, ReconfigSample) and (sample.tp_src, sample.tp_dst) == (1, 4)
+    assert isinstance(sample, ReconfigSample) and (sample.tp_src, sample.tp_dst) == (2, 4)
     sim.apply(Split(start=4, size=4))
-    sim.apply(Reconfigure(tp=2))  # 4+2+2 -> 2+2+2+2: priced from the smallest block, so no pair to calibrate
-    assert sim.sizes() == (2, 2, 2, 2) and not any(isinstance(x, ReconfigSample) for x in sim.view().samples)
+    sim.apply(Merge(start=4, size=2))  # 4+2+2 -> 4+4 (no sample: a buddy action)
+    sim.apply(Split(start=4, size=4))
+    before = sim.overhead
+    sim.apply(Reconfigure(tp=2))  # 4+2+2 -> 2+2+2+2: the TP4 block's devices load w / 2 - w / 4
+    sample = sim.view().samples[-1]
+    assert isinstance(sample, ReconfigSample) and (sample.tp_src, sample.tp_dst) == (4, 2)
+    rc = hw.reconfig
+    assert sim.overhead - before >= (hw.param_bytes / 4) / rc.reshard_bytes_per_s + rc.fixed_s + rc.switch_s
+    sim.apply(Merge(start=0, size=2))
+    sim.apply(Reconfigure(tp=4))  # 4+2+2 -> 4+4: to the largest block's TP, no (tp_src, tp_dst) pair
+    assert sim.sizes() == (4, 4) and not any(isinstance(x, ReconfigSample) for x in sim.view().samples)
 
 
 def test_mixed_policy_turns_decisions_into_sim_actions(h100: LatencyModel) -> None:
