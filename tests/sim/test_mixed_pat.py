@@ -180,3 +180,19 @@ def test_a_mixed_layout_has_no_uniform_state_and_a_whole_pool_switch_is_priced_f
 def test_mixed_policy_turns_decisions_into_sim_actions(h100: LatencyModel) -> None:
     policy = MixedPlannerPolicy(_planner(h100), 1)
     assert isinstance(policy.mixed, MixedPlanner) and policy.mixed.planner is policy.planner
+
+
+def test_sim_policies_mixed_pat_column_is_bench_mixed_vs_uniform_pat_row(capsys) -> None:
+    """bench.sim_policies --mixed-pat prints the same mixed PAT and PAT latencies as bench.mixed_vs_uniform --pat on
+    that row (one planner configuration, one simulator), and the summary line of their ratio."""
+    from pat_rollout.bench.mixed_vs_uniform import run_pat_row
+    from pat_rollout.bench.sim_policies import main
+
+    main(["--models", "llama31_8b", "--gpus", "h100", "--variants", "central", "--traces", "deepscaler-16k",
+          "--no-oracle", "--no-lookahead", "--mixed-pat"])
+    out = capsys.readouterr().out
+    r = run_pat_row("llama31_8b", "h100", "central", "deepscaler-16k", num_devices=8, seed=0)
+    row = next(line for line in out.splitlines() if line.startswith("llama31_8b h100 central deepscaler-16k"))
+    assert f" {r['pat_s']:.1f} " in row and f" {r['mixed_pat_s']:>7.1f} {r['ratio']:>8.3f} " in row
+    assert r["mixed_pat_layouts"] in row
+    assert f"Mixed PAT / PAT: 1 rows, median {r['ratio']:.3f}" in out
