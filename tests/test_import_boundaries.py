@@ -12,6 +12,7 @@ import pytest
                                     "pat_rollout.profile", "pat_rollout.layout",
                                     "pat_rollout.planner.capacity", "pat_rollout.planner.config",
                                     "pat_rollout.planner.engine_model", "pat_rollout.planner.lookahead",
+                                    "pat_rollout.planner.mixed",
                                     "pat_rollout.profile.published",
                                     "pat_rollout.sim.compare", "pat_rollout.sim.lengths",
                                     "pat_rollout.bench.sim_validate_report"])

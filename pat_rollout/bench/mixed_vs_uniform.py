@@ -4,8 +4,13 @@ of bench.sim_policies (published-figure profiles: SIMULATED, not measured). Only
 statics), so every row is affordable; raw results go to JSON lines, one row a line as it finishes, and the table
 is re-printed from them without re-running:
 
-    python -m pat_rollout.bench.mixed_vs_uniform --out rows.jsonl [--shard 0/2]   # run (resumes: skips done rows)
+    python -m pat_rollout.bench.mixed_vs_uniform --out rows.jsonl [--shard 0/2] [--done other.jsonl ...]
+        # run (resumes: skips rows already in --out or in the --done files)
     python -m pat_rollout.bench.mixed_vs_uniform --table rows.jsonl [more.jsonl ...]  # print table + decision
+
+--pat runs mixed PAT (sim.mixed_pat: planner.mixed over buddy layouts) and uniform PAT (the PAT column of
+bench.sim_policies: PlannerConfig(candidate_tps=(1, 2, 4, 8)), drain estimator, start TP1, no rebalance: the
+SGLang pool) per row instead, seconds a row, into --out; --pat-table prints those rows.
 
 Decision (issue #26): build mixed layouts for real if mixed / uniform <= 0.98 at the median or <= 0.95 on any row.
 """
@@ -20,10 +25,12 @@ from pathlib import Path
 
 from pat_rollout.bench.sim_policies import traces
 from pat_rollout.kv.cost import handoff_cost
+from pat_rollout.planner.policy import Planner, PlannerConfig
 from pat_rollout.profile.published import VARIANTS
-from pat_rollout.sim.compare import gpu_setup
+from pat_rollout.sim.compare import engine_spec, gpu_setup
 from pat_rollout.sim.mixed_oracle import mixed_oracle
-from pat_rollout.sim.policies import oracle_search
+from pat_rollout.sim.mixed_pat import run_mixed_pat
+from pat_rollout.sim.policies import PlannerPolicy, oracle_search, run_policy
 
 TPS = (1, 2, 4, 8)
 
@@ -54,6 +61,28 @@ def run_row(model: str, gpu: str, variant: str, trace_name: str, *, num_devices:
             "uniform_search_s": t1 - t0, "mixed_search_s": time.perf_counter() - t1,
             "effort": {"grid": grid, "passes": passes, "mixed_passes": mixed_passes, "beam": beam,
                        "max_rebalances": max_rebalances, "num_devices": num_devices, "seed": seed}}
+
+
+def run_pat_row(model: str, gpu: str, variant: str, trace_name: str, *, num_devices: int, seed: int,
+                **_: object) -> dict:
+    """Uniform PAT and mixed PAT on one row, each with a fresh planner (the same configuration)."""
+    hw, planner_model = gpu_setup(gpu, model, variant)
+    trace = dict(traces(None, seed))[trace_name]
+    handoff = handoff_cost(planner_model)
+    cfg = PlannerConfig(candidate_tps=TPS)
+    t0 = time.perf_counter()
+    uni = run_policy(hw, trace, PlannerPolicy(Planner(planner_model, cfg, engine=engine_spec(hw)), 1, trace),
+                     num_devices=num_devices, handoff=handoff)
+    t1 = time.perf_counter()
+    mix = run_mixed_pat(hw, trace, Planner(planner_model, cfg, engine=engine_spec(hw)), num_devices=num_devices,
+                        handoff=handoff)
+    kinds = [getattr(d, "action", "") for d in mix.decisions]
+    return {"model": model, "gpu": gpu, "variant": variant, "trace": trace_name,
+            "pat_s": uni.latency_s, "mixed_pat_s": mix.latency_s, "ratio": mix.latency_s / uni.latency_s,
+            "pat_layouts": uni.layouts_str(), "mixed_pat_layouts": mix.layouts_str(),
+            "mixed_pat_merges": kinds.count("merge"), "mixed_pat_splits": kinds.count("split"),
+            "pat_run_s": t1 - t0, "mixed_pat_run_s": time.perf_counter() - t1,
+            "effort": {"num_devices": num_devices, "seed": seed, "estimator": cfg.estimator}}
 
 
 def key(r: dict) -> tuple[str, str, str, str]:
@@ -99,6 +128,29 @@ def table(results: list[dict], order: list[tuple[str, str, str, str]]) -> str:
     return "\n".join(lines)
 
 
+def pat_table(results: list[dict], order: list[tuple[str, str, str, str]]) -> str:
+    """Mixed PAT / uniform PAT per row in `order` (missing rows listed), then median/best/worst per variant and
+    overall."""
+    by = {key(r): r for r in results}
+    lines = [f"{'model':<10} {'gpu':<4} {'variant':<7} {'trace':<22} {'pat':>7} {'mixpat':>7} {'mix/pat':>7} "
+             f"{'m':>2} {'s':>2}  mixed PAT's layouts"]
+    for k in order:
+        if k in by:
+            r = by[k]
+            lines.append(f"{k[0]:<10} {k[1]:<4} {k[2]:<7} {k[3]:<22} {r['pat_s']:>7.1f} {r['mixed_pat_s']:>7.1f} "
+                         f"{r['ratio']:>7.3f} {r['mixed_pat_merges']:>2} {r['mixed_pat_splits']:>2}  "
+                         f"{r['mixed_pat_layouts']}")
+    for v in [*dict.fromkeys(k[2] for k in order), None]:
+        xs = [by[k]["ratio"] for k in order if k in by and v in (None, k[2])]
+        if xs:
+            lines.append(f"{v or 'all'}: {len(xs)} of {sum(v in (None, k[2]) for k in order)} rows, mixed PAT / "
+                         f"PAT median {statistics.median(xs):.3f}, best {min(xs):.3f}, worst {max(xs):.3f}")
+    missing = [k for k in order if k not in by]
+    if missing:
+        lines.append("missing: " + "; ".join("/".join(k) for k in missing))
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", default="llama31_8b,qwen3_14b")
@@ -115,20 +167,24 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--shard", default="0/1", help="i/k: run rows i, i+k, ... of the list")
     ap.add_argument("--only", default="", help="run these rows first, in this order: model/gpu/variant/trace,...")
     ap.add_argument("--out", help="JSON lines file to append finished rows to (rows already there are skipped)")
+    ap.add_argument("--done", nargs="+", default=[], help="also skip the rows in these JSON lines files")
     ap.add_argument("--table", nargs="+", help="print the table from these JSON lines files; run nothing")
+    ap.add_argument("--pat", action="store_true", help="run mixed PAT and uniform PAT per row instead of the oracles")
+    ap.add_argument("--pat-table", nargs="+", help="print the --pat table from these JSON lines files")
     args = ap.parse_args(argv)
     order = rows(args.models, args.gpus, args.variants, args.traces)
-    if args.table:
-        print(table(load(args.table), order))
+    if args.table or args.pat_table:
+        print(table(load(args.table), order) if args.table else pat_table(load(args.pat_table), order))
         return
     i, k = map(int, args.shard.split("/"))
-    done = {key(r) for r in load([args.out])} if args.out and Path(args.out).exists() else set()
+    done = {key(r) for r in load([*args.done, *([args.out] if args.out and Path(args.out).exists() else [])])}
     first = [tuple(x.split("/", 3)) for x in args.only.split(",") if x]
     for row in [*first, *(r for r in order[i::k] if r not in first)]:
         if row in done:
             continue
-        r = run_row(*row, num_devices=args.num_devices, seed=args.seed, grid=args.grid, passes=args.passes,
-                    mixed_passes=args.mixed_passes, beam=args.mixed_beam, max_rebalances=args.max_rebalances)
+        r = (run_pat_row if args.pat else run_row)(
+            *row, num_devices=args.num_devices, seed=args.seed, grid=args.grid, passes=args.passes,
+            mixed_passes=args.mixed_passes, beam=args.mixed_beam, max_rebalances=args.max_rebalances)
         print(json.dumps(r), flush=True)
         if args.out:
             with open(args.out, "a") as f:

@@ -18,6 +18,8 @@ prints the first and the steady-state (last) stage of each row and their summari
 power-of-two blocks, only the regrouped block pausing) beside the uniform oracle with rebalances (its seed), and
 issue #26's decision: build mixed layouts for real if mixed / uniform-with-rebalance oracle <= 0.98 at the median
 or <= 0.95 on any row (bench.mixed_vs_uniform runs just those two oracles, cheaper, to JSON).
+--mixed-pat adds mixed PAT (sim.mixed_pat: planner.mixed's merges and splits over buddy layouts, on a planner of
+PAT's configuration) and its ratio to PAT (bench.mixed_vs_uniform --pat runs just those two, to JSON).
 """
 
 from __future__ import annotations
@@ -57,6 +59,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--no-oracle", action="store_true")
     ap.add_argument("--no-lookahead", action="store_true", help="skip the PAT lookahead columns")
     ap.add_argument("--mixed", action="store_true", help="add the mixed (buddy layout) oracle column (slow)")
+    ap.add_argument("--mixed-pat", action="store_true", help="add the mixed PAT (buddy layout planner) column")
     ap.add_argument("--mixed-passes", type=int, default=2, help="mixed oracle: buddy actions added per seed")
     ap.add_argument("--mixed-beam", type=int, default=1, help="mixed oracle: schedules scanned per later pass")
     ap.add_argument("--traces", default="", help="comma-separated trace names to run (default: all)")
@@ -65,22 +68,24 @@ def main(argv: list[str] | None = None) -> None:
     cfg = PlannerConfig(candidate_tps=(1, 2, 4, 8))
     t_all = time.perf_counter()
     trs = traces(args.lengths, args.seed, history_iters=max(1, args.stages))
-    if args.stages > 1 and args.mixed:
-        ap.error("--mixed runs one stage per row")
+    if args.stages > 1 and (args.mixed or args.mixed_pat):
+        ap.error("--mixed and --mixed-pat run one stage per row")
     if args.traces:
         trs = [(n, t) for n, t in trs if n in args.traces.split(",")]
     mixed = {"passes": args.mixed_passes, "beam": args.mixed_beam} if args.mixed else None
     print("SIMULATED (published-figure profiles, see README 'Performance: measured and simulated'); "
           f"{args.num_devices} GPUs, mem fraction 0.6, GRPO groups of 8; ratios < 1: PAT faster")
-    la = not args.no_lookahead
+    la, mpat = not args.no_lookahead, args.mixed_pat
     hdr = (f"{'model':<10} {'gpu':<4} {'variant':<7} {'trace':<16} {'mean':>5} {'best static':>13} {'verl tp2':>8} "
            f"{'pat_s':>7} {'oracle':>7} {'pat/best':>8} {'pat/verl':>8} {'pat/orc':>7} {'tail%':>5}"
            + (f" {'la/best':>7} {'la/orc':>7}" if la else "") + (f" {'mixed':>7} {'mix/orc':>7}" if mixed else "")
-           + "  pat layouts" + (" | la layouts" if la else "") + (" | mixed layouts" if mixed else ""))
+           + (f" {'mpat':>7} {'mpat/pat':>8}" if mpat else "")
+           + "  pat layouts" + (" | la layouts" if la else "") + (" | mixed layouts" if mixed else "")
+           + (" | mixed pat layouts" if mpat else ""))
     tags = ("",) if args.stages <= 1 else ("first ", "steady ")
     ratios: dict[str, list[float]] = {t + k: [] for t in tags for k in (
         "PAT / best static", "PAT / oracle", "PAT lookahead / best static", "PAT lookahead / oracle",
-        "Mixed oracle / uniform oracle")}
+        "Mixed oracle / uniform oracle", "Mixed PAT / PAT")}
     for model in args.models.split(","):
         for gpu in args.gpus.split(","):
             print("\n" + hdr)
@@ -95,7 +100,7 @@ def main(argv: list[str] | None = None) -> None:
                     else:
                         cmps = zip(tags, [compare(hw, planner_model, trace, num_devices=args.num_devices,
                                                   planner_config=cfg, with_oracle=not args.no_oracle,
-                                                  with_lookahead=la, mixed=mixed)])
+                                                  with_lookahead=la, mixed=mixed, with_mixed_pat=mpat)])
                     for tag, cmp in cmps:
                         _row(cmp, tag, model, gpu, variant, name, trace, la, mixed, ratios)
     print()
@@ -135,6 +140,11 @@ def _row(cmp: Comparison, tag: str, model: str, gpu: str, variant: str, name: st
         ratios[f"{tag}Mixed oracle / uniform oracle"].append(rm)
         la_cols += f" {by['mixed-oracle'].latency_s:>7.1f} {rm:>7.3f}"
         la_layouts += f" | {by['mixed-oracle'].layouts_str()}"
+    if "mixed-pat" in by:
+        rp = by["mixed-pat"].latency_s / pat.latency_s
+        ratios[f"{tag}Mixed PAT / PAT"].append(rp)
+        la_cols += f" {by['mixed-pat'].latency_s:>7.1f} {rp:>8.3f}"
+        la_layouts += f" | {by['mixed-pat'].layouts_str()}"
     print(f"{tag}{model:<10} {gpu:<4} {variant:<7} {name:<16} {trace.stats()['mean']:>5.0f} "
           f"{best.policy[7:] + f' {best.latency_s:.1f}':>13} {verl:>8.1f} {pat.latency_s:>7.1f} "
           f"{orc} {cols['pat']}{pat.latency_s / verl:>8.3f} {cols['pat/orc']} "

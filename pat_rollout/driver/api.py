@@ -8,18 +8,21 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import contextlib
+import logging
 import time
 from collections.abc import Iterable
 from typing import Any
 
 from pat_rollout.config import PatRolloutConfig
 from pat_rollout.driver.backends import get_backend
-from pat_rollout.driver.errors import PoolBrokenError, WorkerError
+from pat_rollout.driver.errors import PoolBrokenError, ReconfigurationError, WorkerError
 from pat_rollout.driver.loop import DriverLoop
 from pat_rollout.driver.planner_glue import build_planner, load_profile
 from pat_rollout.kv.cost import handoff_cost
 from pat_rollout.layout import Layout
 from pat_rollout.types import Request, RequestOutput
+
+logger = logging.getLogger(__name__)
 
 
 class RolloutDriver(DriverLoop):
@@ -137,11 +140,28 @@ class RolloutDriver(DriverLoop):
 
     # ---- weights and memory (the pool idle) ------------------------------------------------------------------
     def update_weights(self, named_tensors: Iterable[tuple[str, Any]]) -> None:
-        """Load new full weights on every device; the pool returns to its base layout first."""
+        """Load new full weights (one bucket of an update) on every device, in the layout the next stage will start
+        in: the planner's `next_start_tp` where the pool loads in any layout (Pool.weights_in_any_layout), so that
+        stage starts without a switch; else the base layout. Only a bucket that finds the pool in another layout
+        switches it first (nothing runs: the old weights are resharded); if that switch fails the pool is back in
+        its base layout and the bucket loads there (warned)."""
         self._wait_idle()
         with self._guard():
-            self._to_base()
+            tp = self._weights_tp()
+            if tp != self.layout.tp_size:
+                try:
+                    self.pool.reconfigure(tp, self._assignment)
+                except ReconfigurationError as e:
+                    logger.warning("update_weights: switching to TP%d failed, loading in %s instead: %s", tp,
+                                   self.layout, e)
             self.pool.update_weights(list(named_tensors))
+
+    def _weights_tp(self) -> int:
+        if self.pool.weights_in_any_layout and self.planner is not None:
+            tp = self.planner.next_start_tp()
+            if tp is not None:
+                return tp
+        return self.base.tp_size
 
     def release(self, tags: Iterable[str] = ("weights", "kv_cache")) -> None:
         tags = list(tags)

@@ -132,6 +132,7 @@ class DriverLoop(Switching):
         self._num_polls += 1
         self._stage.num_polls += 1
         done = []
+        self._snapshots = {r: snap for r, (_, snap) in results.items()}  # the planner's view of each replica
         for r in busy:
             step, snap = results[r]
             self._stage.record_step(r, step)

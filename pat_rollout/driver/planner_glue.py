@@ -9,7 +9,7 @@ from pathlib import Path
 
 from pat_rollout.config import PatRolloutConfig
 from pat_rollout.engine.base import EngineSnapshot, RunningInfo, StepResult
-from pat_rollout.planner import ClusterState, Planner, ReqProgress
+from pat_rollout.planner import ClusterState, EngineSpec, Planner, ReplicaLoad, ReqProgress
 from pat_rollout.planner.calibration import PollSample
 from pat_rollout.profile.model import BUILTIN_PROFILES, DATA_DIR, LatencyModel
 from pat_rollout.types import ModelSpec, Request
@@ -41,10 +41,24 @@ def prompt_key(prompt_token_ids: tuple[int, ...]) -> str:
     return hashlib.blake2b(repr(prompt_token_ids).encode(), digest_size=8).hexdigest()
 
 
+def replica_load(snap: EngineSnapshot) -> ReplicaLoad:
+    """One replica's load as its engine's snapshot states it (KV blocks of one rank: every rank of a replica
+    holds the same tokens, for its own KV heads)."""
+    return ReplicaLoad(num_waiting=snap.num_waiting, num_running=len(snap.running),
+                       kv_tokens_used=(snap.num_total_blocks - snap.num_free_blocks) * snap.block_size,
+                       kv_tokens_capacity=snap.num_total_blocks * snap.block_size)
+
+
 def cluster_state(step: int, num_devices: int, tp: int, requests: Mapping[str, Request],
                   progress: Mapping[str, RunningInfo], prompt_keys: Mapping[str, str],
-                  assignment: Mapping[str, int] | None = None) -> ClusterState:
-    """The planner's view of the pool; `prompt_keys` holds each request's `prompt_key`, computed once."""
+                  assignment: Mapping[str, int] | None = None, *,
+                  snapshots: Mapping[int, EngineSnapshot] | None = None,
+                  reported_spec: EngineSpec | None = None) -> ClusterState:
+    """The planner's view of the pool; `prompt_keys` holds each request's `prompt_key`, computed once.
+    `snapshots`: the last poll's snapshot of every replica it stepped (from a pool that reports its engines' load:
+    Pool.reports_load), giving every replica's load (a replica not stepped held no request) and whether each
+    request's KV is on its replica (running there) or it waits for (re-)prefill."""
+    running = None if snapshots is None else {i.request_id for snap in snapshots.values() for i in snap.running}
     reqs = []
     for rid, req in sorted(requests.items()):
         info = progress.get(rid)
@@ -54,8 +68,16 @@ def cluster_state(step: int, num_devices: int, tp: int, requests: Mapping[str, R
         reqs.append(ReqProgress(request_id=rid, prompt_key=prompt_keys[rid],
                                 num_prompt_tokens=len(req.prompt_token_ids), num_output_tokens=done,
                                 max_new_tokens=req.sampling.max_new_tokens,
-                                replica=assignment.get(rid) if assignment else None))
-    return ClusterState(step=step, num_devices=num_devices, tp=tp, requests=tuple(reqs))
+                                replica=assignment.get(rid) if assignment else None,
+                                cached=None if running is None else rid in running))
+    loads: tuple[ReplicaLoad, ...] = ()
+    if snapshots:
+        polled = {r: replica_load(snap) for r, snap in snapshots.items()}
+        capacity = next(iter(polled.values())).kv_tokens_capacity  # the replicas of one layout hold alike
+        idle = ReplicaLoad(num_waiting=0, num_running=0, kv_tokens_used=0, kv_tokens_capacity=capacity)
+        loads = tuple(polled.get(r, idle) for r in range(num_devices // tp))
+    return ClusterState(step=step, num_devices=num_devices, tp=tp, requests=tuple(reqs), loads=loads,
+                        reported_spec=reported_spec)
 
 
 def start_state(step: int, num_devices: int, tp: int, requests: list[Request],

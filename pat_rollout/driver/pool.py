@@ -11,11 +11,14 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pat_rollout.engine.base import EngineSnapshot, StepResult
 from pat_rollout.layout import Layout
 from pat_rollout.types import Request, RequestOutput
+
+if TYPE_CHECKING:
+    from pat_rollout.planner import EngineSpec
 
 
 @dataclass(slots=True)
@@ -52,6 +55,13 @@ class Pool(ABC):
     # KV tokens one replica of the current layout holds (`planner.capacity.tokens_in_room`), where the pool
     # reports it (SglPool); None where it does not. Read into the stage metrics at each layout.
     kv_tokens: int | None = None
+    # The snapshots `step` returns are the engine's own scheduler state (running vs queued, KV blocks in use), so
+    # the driver hands them to the planner (ClusterState.loads, ReqProgress.cached); False where they are the
+    # pool's estimate (the SGLang pool counts every tracked request as running).
+    reports_load: bool = False
+    # update_weights loads into whatever layout the pool is in (and keeps the base-layout host backup right), so
+    # the driver loads the next stage's starting layout; False: the driver returns to the base layout first.
+    weights_in_any_layout: bool = False
 
     @abstractmethod
     def check_request(self, request: Request) -> None:
@@ -83,9 +93,15 @@ class Pool(ABC):
     def abort_all(self) -> list[RequestOutput]:
         """Abort every request; one output per request (partial tokens, finish_reason 'abort')."""
 
+    def engine_spec(self) -> EngineSpec | None:
+        """The engine's scheduler rules and the KV tokens one replica of each TP size holds, as the planner's
+        lookahead reads them (ClusterState.reported_spec); None where the pool does not say."""
+        return None
+
     @abstractmethod
     def update_weights(self, named_tensors: list[tuple[str, Any]]) -> None:
-        """Full HF-named tensors; the pool is in its base layout (the driver returns there first)."""
+        """Full HF-named tensors (one bucket of an update), loaded into the current layout: the base layout unless
+        `weights_in_any_layout` (the driver returns there first)."""
 
     @abstractmethod
     def release(self, tags: list[str]) -> None: ...

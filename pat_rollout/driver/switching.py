@@ -45,6 +45,8 @@ class Switching:
         self._prompt_keys: dict[str, str] = {}  # request id -> prompt_key, hashed once at dispatch
         self._assignment: dict[str, int] = {}  # request id -> replica of the current layout
         self._progress: dict[str, RunningInfo] = {}  # request id -> its progress at the last poll
+        self._snapshots: dict[int, EngineSnapshot] = {}  # replica -> its snapshot at the last poll (reports_load)
+        self._engine_spec = pool.engine_spec()  # what the pool says its engines are configured with
         self._stage: StageMetrics | None = None  # the stage in progress
         self._num_polls = 0
         self.last_reconfig: ReconfigResult | None = None  # the latest switch
@@ -74,7 +76,8 @@ class Switching:
     def _maybe_reconfigure(self) -> None:
         state = cluster_state(self._num_polls * self.config.steps_per_poll, self.config.num_devices,
                               self.layout.tp_size, self._requests, self._progress, self._prompt_keys,
-                              self._assignment)
+                              self._assignment, snapshots=(self._snapshots or None) if self.pool.reports_load else None,
+                              reported_spec=self._engine_spec)
         decision = self.planner.decide(state)
         if decision is not None and decision.is_rebalance:
             self._planned_rebalance(decision)

@@ -9,8 +9,9 @@ Pure: imports only the stdlib, pat_rollout.types and pat_rollout.profile.model (
 from pat_rollout.planner.balance import assign_new, balance
 from pat_rollout.planner.cost import TransitionCost, transition_cost
 from pat_rollout.planner.engine_model import EngineReplica, EngineReq, SchedulerModel
+from pat_rollout.planner.engine_spec import EngineSpec
 from pat_rollout.planner.estimator import drain_s, replica_drain_s
-from pat_rollout.planner.lookahead import EngineSpec, Lookahead, LookaheadConfig
+from pat_rollout.planner.lookahead import Lookahead, LookaheadConfig
 from pat_rollout.planner.policy import Option, Planner, PlannerConfig
 from pat_rollout.planner.predictor import LengthPredictor, PredictorConfig
 from pat_rollout.planner.rebalance import (
@@ -21,11 +22,11 @@ from pat_rollout.planner.rebalance import (
     rebalance_cost,
     rebalance_option,
 )
-from pat_rollout.planner.state import ClusterState, Decision, ReqProgress
+from pat_rollout.planner.state import ClusterState, Decision, ReplicaLoad, ReqProgress
 
 __all__ = [
     "ClusterState", "Decision", "EngineReplica", "EngineReq", "EngineSpec", "LengthPredictor", "Lookahead",
     "LookaheadConfig", "SchedulerModel", "Move", "Option", "Planner", "PlannerConfig", "PredictorConfig",
-    "RebalanceCost", "RebalanceOption", "ReqProgress", "TransitionCost", "assign_new", "balance", "drain_s",
-    "plan_moves", "rebalance_cost", "rebalance_option", "replica_drain_s", "transition_cost",
+    "RebalanceCost", "RebalanceOption", "ReplicaLoad", "ReqProgress", "TransitionCost", "assign_new", "balance",
+    "drain_s", "plan_moves", "rebalance_cost", "rebalance_option", "replica_drain_s", "transition_cost",
 ]

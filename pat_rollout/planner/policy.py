@@ -17,8 +17,9 @@ from pat_rollout.kv.cost import handoff_cost
 from pat_rollout.planner.calibration import Calibration, CalibrationConfig, PollSample, ReconfigSample
 from pat_rollout.planner.config import PlannerConfig
 from pat_rollout.planner.cost import TransitionCost, prefers_migration, transition_cost
+from pat_rollout.planner.engine_spec import EngineSpec
 from pat_rollout.planner.estimator import drain_s, start_drain_s
-from pat_rollout.planner.lookahead import EngineSpec, Lookahead
+from pat_rollout.planner.lookahead import Lookahead
 from pat_rollout.planner.lookahead import build as build_lookahead
 from pat_rollout.planner.margin import MarginTracker
 from pat_rollout.planner.predictor import LengthPredictor
@@ -72,6 +73,7 @@ class Planner:
         self._handoff = handoff_cost(model)
         self._migrates_memo: dict[tuple[int, int], bool] = {}
         self.margin = MarginTracker(config.margin, config.min_gain_ratio)
+        self.last_start_tp: int | None = None  # the TP the latest stage started in, as choose_start picked it
         self.start_stage()
 
     def start_stage(self) -> None:
@@ -101,6 +103,7 @@ class Planner:
         if decision is self.start_decision:
             self.start_decision = self.start_step = None
             self.start_explored = False
+            self.last_start_tp = None  # the pool rolled back to its base layout
             return
         if decision.is_rebalance:
             if not self.rebalances or self.rebalances[-1] != decision.step:
@@ -129,10 +132,11 @@ class Planner:
 
     def lookahead(self, state: ClusterState) -> Lookahead:
         """This poll's lookahead: the requests bundled into units, each unit's final length drawn from the
-        predictor at a stratified quantile, on the calibrated profile and the engine's spec."""
+        predictor at a stratified quantile, on the calibrated profile and the engine's spec (as the pool reported
+        it in `state`, else `self.engine`, else EngineSpec.default_for)."""
         self.predictor.set_running(r.num_output_tokens for r in state.requests)
         model = self.estimator_model()
-        spec = self.engine or EngineSpec.default_for(self.model, self.model.tps)
+        spec = state.reported_spec or self.engine or EngineSpec.default_for(self.model, self.model.tps)
         return build_lookahead(
             step=model, spec=spec, num_devices=state.num_devices, requests=state.requests,
             draw=lambda r, q: self.predictor.sample_remaining(r.num_output_tokens, r.max_new_tokens, r.prompt_key, q),
@@ -256,6 +260,7 @@ class Planner:
             self.start_explored = True
             why = f"never measured on this pool (TPs measured: {sorted(observed)}): exploring"
         self.margin.predict(state.step, _plus(state.step, self.start_steps.get(best)), new_action=True)
+        self.last_start_tp = best
         if best == state.tp:
             return None
         run_s, cost = options[best]
@@ -267,6 +272,13 @@ class Planner:
             reason=f"stage start, {len(state.requests)} requests: tp={best} {why} ({run_s:.2f}s + "
                    f"{cost.total_s:.3f}s switch; " + ", ".join(f"tp={tp} {t:.2f}s" for tp, t in total.items()) + ")")
         return self.start_decision
+
+    def next_start_tp(self) -> int | None:
+        """The TP the next stage is expected to start in, for the weight update to load into so that the stage
+        starts without a switch: the one choose_start picked for the latest stage (it keeps the layout the pool is
+        in unless another saves more than the margin). None before any stage chose one, after its start switch
+        rolled back, or with start_layout off (stages then start in the base layout)."""
+        return self.last_start_tp if self.config.start_layout else None
 
     def stage_metrics(self, prefix: str = "pat") -> dict[str, float]:
         """Calibration and starting-layout metrics of the current stage."""

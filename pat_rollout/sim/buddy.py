@@ -3,41 +3,30 @@ merges two buddy blocks or splits one, and only that block's devices pause for t
 
 `MixedSim` is `Sim` plus two actions (`Merge`, `Split`; Sim's `Batch` runs several at one poll, for replayed
 schedules, skipping those that no longer apply). Rebalances (`Rebalance`, the oracle's `HindsightRebalance`) run
-only while the layout is uniform. While its layout is uniform it is `Sim` itself, line for line (a uniform `Reconfigure` is Sim's); a
-whole-pool `Reconfigure` from a mixed layout pays Sim's phases with the smallest block as the source TP (the
-largest weight share any device loads). Mixed actions need the free-running driver (lockstep=False, SGLang
-servers): there each replica has its own clock, so the devices outside the regrouped block keep decoding while
-the block's replica starts anew at `t0 + its switch time`.
+only while the layout is uniform. While its layout is uniform it is `Sim` itself, line for line (a uniform
+`Reconfigure` is Sim's); a whole-pool `Reconfigure` from a mixed layout pays Sim's phases with the largest block as
+the source TP (its devices hold the smallest weight share, so they load the most: w / tp_dst - w / largest,
+nothing for a grow). Mixed actions need the free-running driver (lockstep=False, SGLang servers): there each replica has its own clock, so the devices outside the regrouped block keep decoding while
+the block's replica starts anew at `t0 + its switch time`. A policy reads a mixed layout through the view's
+`mixed_state` (planner.mixed.MixedState: blocks and progress, never true lengths); `state` (a ClusterState)
+exists only while the layout is uniform. sim/mixed_pat.py drives the mixed planner over it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from pat_rollout.planner.balance import balance
-from pat_rollout.planner.state import Decision
+from pat_rollout.planner.calibration import ReconfigSample
+from pat_rollout.planner.mixed import BuddyDecision, MixedState, buddy_groups, is_buddy
+from pat_rollout.planner.state import ClusterState, ReqProgress
 from pat_rollout.sim.replica import Replica, SimReq
-from pat_rollout.sim.simulator import Batch, HindsightRebalance, Rebalance, Reconfigure, Sim, SimResult
+from pat_rollout.sim.simulator import Batch, HindsightRebalance, PollView, Rebalance, Reconfigure, Sim, SimResult
 
-__all__ = ["Batch", "Merge", "MixedResult", "MixedSim", "Split", "buddy_groups", "is_buddy"]
-
-
-def is_buddy(start: int, size: int) -> bool:
-    """An aligned power-of-two block: size 2^k, start a multiple of size."""
-    return size >= 1 and size & (size - 1) == 0 and start >= 0 and start % size == 0
-
-
-def buddy_groups(num_devices: int) -> list[tuple[int, int]]:
-    """Every buddy block (start, size) on `num_devices` (a power of two) devices: 2N-1 of them."""
-    if not is_buddy(0, num_devices):
-        raise ValueError(f"num_devices={num_devices} must be a power of two for buddy layouts")
-    out, size = [], 1
-    while size <= num_devices:
-        out += [(s, size) for s in range(0, num_devices, size)]
-        size *= 2
-    return out
+__all__ = ["Batch", "Merge", "MixedPollView", "MixedResult", "MixedSim", "Split", "buddy_groups", "is_buddy"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -53,7 +42,7 @@ class Merge:
     size: int
     pull: tuple[str, ...] = ()
     push: tuple[tuple[str, int], ...] = ()
-    decision: Decision | None = None
+    decision: BuddyDecision | None = None
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -63,7 +52,23 @@ class Split:
 
     start: int
     size: int
-    decision: Decision | None = None
+    decision: BuddyDecision | None = None
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class MixedPollView(PollView):
+    """PollView plus the layout's blocks and the planner's view of a buddy layout (`mixed_state`, built on first
+    access; `state`, the uniform ClusterState, exists only while the layout is uniform)."""
+
+    blocks: tuple[tuple[int, int], ...] = ()
+    build_mixed: Callable[[], MixedState] | None = field(default=None, repr=False, compare=False)
+    _mixed: list[MixedState] = field(default_factory=list, repr=False, compare=False)
+
+    @property
+    def mixed_state(self) -> MixedState:
+        if not self._mixed:
+            self._mixed.append(self.build_mixed())  # type: ignore[misc]
+        return self._mixed[0]
 
 
 @dataclass(kw_only=True, slots=True)
@@ -96,18 +101,44 @@ class MixedSim(Sim):
     def _reconfigure(self, action: Any) -> None:
         before = self.sizes()
         Sim._reconfigure(self, action)
+        last = self._samples[-1] if self._samples else None
+        if isinstance(last, ReconfigSample) and last.tp_src == 0:  # from a mixed layout, priced from its largest
+            if max(before) == last.tp_dst:  # block (_phase_s): no (tp_src, tp_dst) pair to calibrate
+                self._samples.pop()
+            else:
+                self._samples[-1] = dataclasses.replace(last, tp_src=max(before))
         self.blocks = [(i * self.tp, self.tp) for i in range(len(self.replicas))]
         if self.sizes() != before:
             self.layouts.append((self.schedule[-1][0], self.sizes()))
 
     def _phase_s(self, src: int, dst: int, migrate_bytes: float, devices: int | None = None) -> float:
-        if src == 0:  # a whole-pool switch from a mixed layout: the smallest block loads the most weights
-            src = min(self.sizes())
+        if src == 0:  # a whole-pool switch from a mixed layout: the largest block's devices load the most weights
+            src = max(self.sizes())
         return Sim._phase_s(self, src, dst, migrate_bytes, devices)
 
     def _record_poll(self, reps: list[Replica], before: dict, elapsed_s: float) -> None:
         if self.tp:
             Sim._record_poll(self, reps, before, elapsed_s)
+
+    def view(self) -> MixedPollView:
+        v = Sim.view(self)
+        return MixedPollView(**{f.name: getattr(v, f.name) for f in dataclasses.fields(PollView)},
+                             blocks=tuple(self.blocks), build_mixed=self.mixed_state)
+
+    def _cluster_state(self) -> ClusterState:
+        if not self.tp:
+            raise ValueError(f"layout {self.sizes()} is mixed: a ClusterState needs one TP; read the view's "
+                             "mixed_state")
+        return Sim._cluster_state(self)
+
+    def mixed_state(self) -> MixedState:
+        """What the mixed planner sees: the blocks and every unfinished request's progress and block index."""
+        reqs = [ReqProgress(request_id=r.rid, prompt_key=r.prompt_key, num_prompt_tokens=r.prompt_len,
+                            num_output_tokens=r.g, max_new_tokens=r.max_new, replica=i, cached=r.cached)
+                for i, rep in enumerate(self.replicas) for r in (*rep.running, *rep.waiting)]
+        reqs.sort(key=lambda p: p.request_id)
+        return MixedState(step=self.step, num_devices=self.num_devices, blocks=tuple(self.blocks),
+                          requests=tuple(reqs))
 
     # ---- buddy actions -----------------------------------------------------------------------------------------
     def applies(self, action: Any) -> bool:

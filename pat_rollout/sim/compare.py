@@ -11,11 +11,12 @@ import dataclasses
 from dataclasses import dataclass
 
 from pat_rollout.kv.cost import handoff_cost
-from pat_rollout.planner.lookahead import EngineSpec
+from pat_rollout.planner.engine_spec import EngineSpec
 from pat_rollout.planner.policy import Planner, PlannerConfig
 from pat_rollout.profile.model import LatencyModel
 from pat_rollout.sim.hardware import SimHardware
 from pat_rollout.sim.mixed_oracle import mixed_oracle
+from pat_rollout.sim.mixed_pat import run_mixed_pat
 from pat_rollout.sim.policies import PlannerPolicy, StaticPolicy, oracle_search, run_policy
 from pat_rollout.sim.simulator import SimResult
 from pat_rollout.sim.traces import Trace
@@ -83,17 +84,23 @@ def _planners(hw: SimHardware, planner_model: LatencyModel, planner_config: Plan
 
 def compare(hw: SimHardware, planner_model: LatencyModel, trace: Trace, *, num_devices: int,
             planner_config: PlannerConfig, initial_tp: int = 1, verl_tp: int = VERL_DEFAULT_TP,
-            with_oracle: bool = True, with_lookahead: bool = False, mixed: dict | None = None) -> Comparison:
+            with_oracle: bool = True, with_lookahead: bool = False, mixed: dict | None = None,
+            with_mixed_pat: bool = False) -> Comparison:
     """static-tp<x> for each candidate tp that divides num_devices, pat (planner_config as given), with_lookahead:
     pat-lookahead (the same config with estimator="lookahead"), and the (switch-only) oracle; `mixed` (keyword
     arguments of sim.mixed_oracle.mixed_oracle, e.g. {} or {"passes": 1}): the uniform oracle with rebalances
-    ("oracle-rebalance") and the mixed oracle over buddy layouts, seeded with its schedule."""
+    ("oracle-rebalance") and the mixed oracle over buddy layouts, seeded with its schedule; with_mixed_pat:
+    "mixed-pat", planner.mixed over buddy layouts on a fresh planner of the same config as pat."""
     tps = _tps(planner_config, num_devices)
     handoff = handoff_cost(planner_model)
     out = [run_policy(hw, trace, StaticPolicy(tp), num_devices=num_devices) for tp in tps]
     for name, planner in _planners(hw, planner_model, planner_config, with_lookahead).items():
         out.append(run_policy(hw, trace, PlannerPolicy(planner, initial_tp, trace, name=name),
                               num_devices=num_devices, handoff=handoff))
+    if with_mixed_pat:
+        planner = _planners(hw, planner_model, planner_config, False)["pat"]
+        out.append(run_mixed_pat(hw, trace, planner, num_devices=num_devices, initial_tp=initial_tp,
+                                 handoff=handoff))
     if with_oracle:
         out.append(oracle_search(hw, trace, num_devices=num_devices, tps=tps, handoff=handoff)[0])
     if mixed is not None:

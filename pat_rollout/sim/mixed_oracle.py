@@ -4,12 +4,13 @@ the uniform oracle of sim.policies. Pure stdlib."""
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from pat_rollout.kv.cost import HandoffCost
+from pat_rollout.planner.mixed import SHARES
+from pat_rollout.planner.mixed import longest_moves as planned_moves
 from pat_rollout.sim.buddy import Batch, Merge, MixedSim, Split
 from pat_rollout.sim.hardware import SimHardware
 from pat_rollout.sim.policies import fine_points, oracle_search, schedule_actions
@@ -46,28 +47,11 @@ class MixedSchedulePolicy:
 
 def longest_moves(sim: MixedSim, start: int, size: int,
                   share: float = 1.0) -> tuple[tuple[str, ...], tuple[tuple[str, int], ...]]:
-    """The oracle's "longest to the merged group" for merging (start, size) with its buddy: the top are the
-    ceil(unfinished * share * 2 * size / N) requests with the most tokens still to generate (true lengths:
-    hindsight; share 1: the merged group's share of the devices).
-    Returns (pull: the top ones elsewhere, push: the buddies' other requests, each sent to the other block with
-    the fewest context tokens per device so far, longest context first)."""
-    i, j = sim.blocks.index((start, size)), sim.blocks.index((start + size, size))
-    left = sorted(((r.length - r.g, r.rid, k, r.prompt_len + r.g) for k, rep in enumerate(sim.replicas)
-                   for r in (*rep.running, *rep.waiting)), reverse=True)
-    n_top = math.ceil(len(left) * share * 2 * size / sim.num_devices)
-    pull = tuple(sorted(rid for _, rid, k, _ in left[:n_top] if k not in (i, j)))
-    others = [k for k in range(len(sim.blocks)) if k not in (i, j)]
-    load = {k: sum(r.prompt_len + r.g for r in (*sim.replicas[k].running, *sim.replicas[k].waiting)
-                   if r.rid not in pull) for k in others}
-    push = []
-    for _, rid, _, ctx in [] if not others else sorted((x for x in left[n_top:] if x[2] in (i, j)), key=lambda x: (-x[3], x[1])):
-        k = min(others, key=lambda k: (load[k] / sim.blocks[k][1], k))
-        load[k] += ctx
-        push.append((rid, sim.blocks[k][0]))
-    return pull, tuple(sorted(push))
-
-
-SHARES = (1.0, 0.25)  # how many of the longest a merged group takes, as a share of its share of the devices
+    """The oracle's "longest to the merged group" (planner.mixed.longest_moves, the mixed planner's rule) on the
+    TRUE remaining tokens of every unfinished request: hindsight."""
+    items = [(r.rid, k, float(r.length - r.g), r.prompt_len + r.g) for k, rep in enumerate(sim.replicas)
+             for r in (*rep.running, *rep.waiting)]
+    return planned_moves(sim.blocks, items, start, size, sim.num_devices, share)
 
 
 def candidates(sim: MixedSim) -> list[Any]:

@@ -62,7 +62,8 @@ class PlannerPolicy:
         d = self.planner.choose_start(state)
         return None if d is None else Reconfigure(tp=d.target_tp, decision=d)
 
-    def on_poll(self, view: PollView) -> Reconfigure | Rebalance | None:
+    def observe(self, view: PollView) -> None:
+        """Feed the planner what the pool measured and which requests finished since the last poll."""
         for sample in view.samples:
             if isinstance(sample, ReconfigSample):
                 self.planner.observe_reconfig(sample)
@@ -70,6 +71,9 @@ class PlannerPolicy:
                 self.planner.observe_poll(sample)
         for key, n in view.finished:
             self.planner.observe_finished(key, n)
+
+    def on_poll(self, view: PollView) -> Reconfigure | Rebalance | None:
+        self.observe(view)
         d = self.planner.decide(view.state)
         if d is not None and d.is_rebalance:
             return Rebalance(moves=d.moves, decision=d)

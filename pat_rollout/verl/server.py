@@ -186,7 +186,8 @@ class PatServer:
         """No prefix cache survives a request in PAT's engines, so there is nothing to flush."""
 
     async def update_weights(self, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
-        """Load one bucket of full HF-named tensors (the driver restores the base layout first)."""
+        """Load one bucket of full HF-named tensors, in the layout the next stage starts in (the driver picks it:
+        RolloutDriver.update_weights)."""
         await asyncio.to_thread(self._driver.update_weights, named_tensors)
         self._weight_sync_tp = self._driver.layout.tp_size
 

@@ -6,11 +6,12 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from pat_rollout.driver.errors import ReconfigurationError, WorkerError
+from pat_rollout.driver.errors import PoolBrokenError, ReconfigurationError, WorkerError
 from pat_rollout.driver.pool import Pool, RebalanceResult, ReconfigResult
 from pat_rollout.engine.base import EngineSnapshot, StepResult
 from pat_rollout.engine.ref.config import RefEngineConfig, check_request
 from pat_rollout.layout import Layout
+from pat_rollout.planner import EngineSpec, SchedulerModel
 from pat_rollout.types import Request, RequestOutput
 from pat_rollout.workers.rebalance import run_rebalance
 
@@ -22,6 +23,8 @@ class RefPool(Pool):
     Every call has a deadline `deadline(tokens)` from the tokens it may process (prefill + decode)."""
 
     supports_rebalance = True
+    reports_load = True
+    weights_in_any_layout = True
 
     def __init__(self, group: Any, reconfigurer: Any, base: Layout, engine: RefEngineConfig, *,
                  deadline: Callable[[int], float] | None = None, max_num_seqs: int = 256,
@@ -85,9 +88,38 @@ class RefPool(Pool):
         self._prefill_tokens = 0
         return [out for group in self.layout.groups for out in per_device[group[0]]]
 
+    def engine_spec(self) -> EngineSpec:
+        """The reference scheduler's rules; a replica of any TP holds num_kv_blocks blocks (per rank, of its KV
+        heads), so every layout's replica holds the same tokens."""
+        e = self.engine
+        scheduler = SchedulerModel(kind="ref", max_num_seqs=e.max_num_seqs, max_prefill_tokens=e.max_prefill_tokens,
+                                   block_size=e.block_size)
+        tokens = e.num_kv_blocks * e.block_size
+        return EngineSpec(scheduler=scheduler, kv_tokens={tp: tokens for tp in range(1, self.num_devices + 1)
+                                                          if self.num_devices % tp == 0})
+
     def update_weights(self, named_tensors: list[tuple[str, Any]]) -> None:
-        self.group.call(range(self.num_devices), "update_weights", named_tensors, what="update_weights",
-                        timeout=self.deadline(0))
+        """Load one bucket into the current layout on every device, then make it the rollback target (each
+        device's host backup of its base-layout shard). If any device fails, every device rolls back to the base
+        layout from the backup (this bucket's previous weights everywhere, earlier buckets kept) and WorkerError
+        is raised with a note saying so; a dead or hung device, or a failed rollback, raises PoolBrokenError."""
+        devices = range(self.num_devices)
+        try:
+            self.group.call(devices, "update_weights", named_tensors, what="update_weights",
+                            timeout=self.deadline(0))
+        except WorkerError as e:
+            if e.unresponsive:
+                raise
+            try:
+                self.group.call(devices, "rollback", self.base, None, what="rollback", timeout=self.deadline(0))
+            except Exception as e2:
+                raise PoolBrokenError(f"update_weights failed ({e}), and rolling back to the base layout "
+                                      f"{self.base} failed ({e2}); the pool is broken") from e2
+            self.layout = self.base
+            e.add_note(f"every device rolled back to the base layout {self.base} with this bucket's previous "
+                       "weights (earlier buckets of the update kept)")
+            raise
+        self.group.call(devices, "commit_weights", what="update_weights (commit)", timeout=self.deadline(0))
 
     def release(self, tags: list[str]) -> None:
         self.group.call(range(self.num_devices), "release", tags, what="release", timeout=self.deadline(0))

@@ -25,6 +25,7 @@ from pat_rollout.comm.transport import GlooTransport, TransferTimeout
 from pat_rollout.engine.base import EngineSnapshot, StepResult
 from pat_rollout.engine.ref.config import RefEngineConfig
 from pat_rollout.engine.ref.engine import RefEngine
+from pat_rollout.engine.ref.loader import load_tensors, map_hf_name
 from pat_rollout.kv.apply import gather_kv
 from pat_rollout.kv.plan import KVPlan, KVTransfer
 from pat_rollout.layout import Layout
@@ -52,7 +53,7 @@ class WorkerInit:
     transfer_min_bytes_per_s: float = 100e6  # comm_timeout_s (comm.transport.TransferTimeout)
 
 
-FAULT_PHASES = ("export", "kv", "reshard", "switch", "import", "step", "rollback", "release")
+FAULT_PHASES = ("export", "kv", "reshard", "switch", "import", "step", "rollback", "release", "weights")
 
 
 class ShardWorker:
@@ -69,11 +70,12 @@ class ShardWorker:
         self._kv_bytes_received = 0
         self._new_shards: dict[str, torch.Tensor] | None = None
         self._fail: tuple[str, float] | None = None  # fault injection for tests: (phase, hang seconds or 0)
-        self._backup: dict[str, torch.Tensor] = {}
-        self._backup_stale = True
-        self.num_backups = 0
+        # Host copy of this device's base-layout shard: what a failed reconfiguration or weight load rolls back to
+        # (SGLang keeps the same backup under verl: enable_weights_cpu_backup). Taken once here; each weight update
+        # then writes its tensors' base-layout slices into it (commit_weights), whatever layout it loads into.
+        self._backup = {name: t.detach().to("cpu", copy=True) for name, t in self.engine.named_shards().items()}
+        self._pending_backup: dict[str, torch.Tensor] = {}
         self.num_comm_builds = 1
-        self._ensure_backup()
 
     def _join(self, init_method: str) -> None:
         """Join the torch.distributed world and build every reachable layout's group, all with the timeout."""
@@ -110,7 +112,7 @@ class ShardWorker:
         return {"device": self.device, "pid": os.getpid(), "layout": str(self.layout),
                 "num_groups": len(self.groups), "groups_created": self.groups.num_created,
                 "group_ids": {str(sorted(k)): id(h.pg) for k, h in self.groups.handles().items()},
-                "num_backups": self.num_backups, "num_comm_builds": self.num_comm_builds,
+                "num_comm_builds": self.num_comm_builds,
                 "engine_stats": dict(self.engine.stats), "num_unfinished": self.engine.num_unfinished()}
 
     def fail_next(self, phase: str | None, hang_s: float = 0.0) -> None:
@@ -141,23 +143,29 @@ class ShardWorker:
         return self.engine.abort_all()
 
     def update_weights(self, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
-        if self.layout != self.base:
-            raise RuntimeError(f"device {self.device}: update_weights in layout {self.layout}; the driver must "
-                               f"return to the base layout {self.base} first")
+        """Load full HF-named tensors (one bucket) into this device's shard of the current layout, and stage their
+        slices of the base layout for the host backup (commit_weights writes them once every device loaded).
+        A failure leaves the engine part-loaded: the driver rolls every device back to the base layout from the
+        backup, which still holds this bucket's previous weights on every device."""
+        _, base_rank = self.base.position(self.device)
+        specs = self.engine.shard_specs
+        staged = {name: self._backup[name].clone() for name in {map_hf_name(n)[0] for n, _ in named_tensors}
+                  if name in specs}
+        load_tensors(staged, specs, named_tensors, base_rank, self.base.tp_size, require_all=False)
         self.engine.update_weights(named_tensors)
-        self._backup_stale = True  # verl sends many buckets per update: back up once, at the next switch
+        self._maybe_fail("weights")
+        self._pending_backup = staged
 
-    def _ensure_backup(self) -> None:
-        """Host copy of this device's base-layout shard: what a failed reconfiguration rolls back to
-        (SGLang keeps the same backup under verl: enable_weights_cpu_backup). Taken once per weight
-        update, lazily, when a reconfiguration starts from the base layout."""
-        if not self._backup_stale:
-            return
-        if self.layout != self.base:
-            raise RuntimeError(f"device {self.device}: weight backup is stale in layout {self.layout}")
-        self._backup = {name: t.detach().to("cpu", copy=True) for name, t in self.engine.named_shards().items()}
-        self._backup_stale = False
-        self.num_backups += 1
+    def commit_weights(self) -> None:
+        """Every device loaded the bucket: its base-layout slices become the rollback target."""
+        self._backup.update(self._pending_backup)
+        self._pending_backup = {}
+
+    def weight_shards(self) -> dict[str, dict[str, torch.Tensor]]:
+        """Copies of this device's weights, for tests: "engine", its shard of the current layout, and "backup",
+        the host backup of its base-layout shard."""
+        return {"engine": {n: t.clone() for n, t in self.engine.named_shards().items()},
+                "backup": {n: t.clone() for n, t in self._backup.items()}}
 
     def release(self, tags: list[str]) -> None:
         self.engine.release(tags)
@@ -167,10 +175,8 @@ class ShardWorker:
 
     # ---- reconfiguration phases (called on every device, in this order) ------------------------
     def export_requests(self, request_ids: list[str] | None = None) -> list[RequestState]:
-        """Lift out every unfinished request (a reconfiguration: take the weight backup first), or only
-        `request_ids` (a rebalance moves a few and touches no weights)."""
-        if request_ids is None:
-            self._ensure_backup()
+        """Lift out every unfinished request (a reconfiguration), or only `request_ids` (a rebalance moves a
+        few)."""
         self._maybe_fail("export")
         states = self.engine.export_requests(request_ids)
         self._exported = {s.request_id: s for s in states}
@@ -252,8 +258,8 @@ class ShardWorker:
         return dropped
 
     def rollback(self, layout: Layout, init_method: str | None = None) -> list[RequestState]:
-        """Return to the base `layout` after a failed reconfiguration, restoring this device's shard from
-        the host backup (and rebuilding every process group at `init_method` when given: a failed
+        """Return to the base `layout` after a failed reconfiguration or weight load, restoring this device's shard
+        from the host backup (and rebuilding every process group at `init_method` when given: a failed
         transfer may have closed them). Returns every unfinished request this device held: its exports,
         or, if its export never ran, what its engine still had; the driver re-imports them for recomputation."""
         if layout != self.base:
@@ -263,6 +269,7 @@ class ShardWorker:
         self._incoming_kv.clear()
         self._kv_bytes_received = 0
         self._new_shards = None
+        self._pending_backup = {}
         self.engine.free_exported()
         self._exported.clear()
         self.engine.abort_all()  # anything imported before the failure is re-imported by the driver

@@ -236,7 +236,7 @@ def test_a_shrink_must_pay_for_growing_back() -> None:
 def test_the_profile_memory_survives_calibration() -> None:
     """The lookahead's KV capacity comes from the profile's memory section: a calibrated profile keeps it."""
     from pat_rollout.planner.calibration import CalibratedModel
-    from pat_rollout.planner.lookahead import EngineSpec
+    from pat_rollout.planner.engine_spec import EngineSpec
 
     base = LatencyModel.from_json("h100_llama31_8b")
     assert base.memory

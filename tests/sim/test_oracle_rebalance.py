@@ -109,3 +109,24 @@ def test_decision_table_applies_the_issue_rule_and_lists_missing_rows(tmp_path) 
     out = table(load([str(path)]), order)
     assert "low: 1 rows, median 0.970, best 0.970 -> build" in out and "all 1 of 2 rows" in out
     assert out.endswith("missing: m/g/high/t")
+
+
+def test_run_skips_rows_in_out_and_in_done_files(tmp_path, monkeypatch) -> None:
+    from pat_rollout.bench import mixed_vs_uniform as mvu
+
+    ran = []
+
+    def fake_row(model, gpu, variant, trace, **_):
+        ran.append((model, gpu, variant, trace))
+        return {"model": model, "gpu": gpu, "variant": variant, "trace": trace}
+
+    monkeypatch.setattr(mvu, "run_row", fake_row)
+    order = mvu.rows("llama31_8b", "h100", "low", "")
+    assert len(order) >= 3
+    done, out = tmp_path / "done.jsonl", tmp_path / "out.jsonl"
+    done.write_text(json.dumps(dict(zip(("model", "gpu", "variant", "trace"), order[0]))) + "\n")
+    out.write_text(json.dumps(dict(zip(("model", "gpu", "variant", "trace"), order[1]))) + "\n")
+    mvu.main(["--models", "llama31_8b", "--gpus", "h100", "--variants", "low", "--out", str(out), "--done", str(done)])
+    assert ran == order[2:]
+    assert [mvu.key(r) for r in mvu.load([str(out)])] == order[1:]  # finished rows appended; done file untouched
+    assert len(done.read_text().splitlines()) == 1

@@ -50,6 +50,7 @@ class _Planner:
 class _FailingPool:
     layout = base = Layout.uniform(2, 1)
     kv_tokens = None
+    reports_load = False
 
     def reconfigure(self, dst_tp, assignment):
         raise ReconfigurationError("injected", dict(assignment))
@@ -62,7 +63,7 @@ def test_failed_planner_switch_is_cancelled():
     driver.config = pool_config("unused")
     driver.pool, driver.planner, driver._stage = _FailingPool(), _Planner(decision), StageMetrics()
     driver._num_polls, driver._requests, driver._progress, driver._prompt_keys = 1, {}, {}, {}
-    driver._assignment = {"r0": 1}
+    driver._assignment, driver._snapshots, driver._engine_spec = {"r0": 1}, {}, None
     driver._maybe_reconfigure()
     assert driver.planner.cancelled == [decision]  # so hysteresis and the stage cap count only real switches
     assert driver._assignment == {"r0": 1} and driver._stage.num_failed_reconfigs == 1
