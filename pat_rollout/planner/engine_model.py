@@ -34,6 +34,10 @@ class SchedulerModel:
       the new one) fits; new_token_ratio decays from init to min over decay_steps and resets on retraction;
       retract the running request with the fewest output tokens (ties: longest prompt) first, its KV freed and
       re-prefilled later (SGLang's retract_decode). Prompts of one GRPO group share their KV (radix cache).
+    - Both: a replica never idles with a queue. With nothing running it admits the head of its queue even when
+      that does not fit, and it never preempts its last running request: a request larger than the KV runs alone
+      past it. The reference engine rejects such a request at submission (engine.ref.config.check_request); the
+      planner's lookahead meets it when a unit of m requests outgrows its 1/m of the KV (planner/lookahead.py).
     - recheck_steps: while requests wait under "sglang", a chunk of decode steps runs at most this many steps
       before admission is tested again (the ratio decays step by step); the planner's lookahead may test less
       often, for speed."""
@@ -195,7 +199,7 @@ class EngineReplica:
                     queue.remove(v)
                     self._preempt(v)
                     preempted = True
-                if need > self.cap - self.used:
+                if need > self.cap - self.used and kept:  # alone, it stays (SchedulerModel)
                     self._preempt(r)
                     preempted = True
                     continue
@@ -218,7 +222,7 @@ class EngineReplica:
             shared = self.sched.prefix_sharing and r.prompt_key in self.groups
             need = self._own_tokens(r, r.prompt_len + r.g) + (0 if shared or not self.sched.prefix_sharing
                                                                else r.prompt_len)
-            if self.used + need + self._reserve(r) > self.cap:
+            if self.running and self.used + need + self._reserve(r) > self.cap:
                 break
             self.waiting.popleft()
             self._admit(r)
@@ -232,8 +236,8 @@ class EngineReplica:
         free = self.cap - self.used
         b = len(self.running)
         bs = self.sched.block_size
-        safe = free // b - bs  # each request grows by n tokens plus at most one partly filled block
-        n = min(n, safe)
+        if b > 1:  # each request grows by n tokens plus at most one partly filled block; a lone one stays
+            n = min(n, free // b - bs)
         if self.waiting and self.sched.kind == "sglang":
             n = min(n, self.sched.recheck_steps)  # the admission ratio decays: look again soon
         return n
@@ -277,9 +281,6 @@ class EngineReplica:
                 self._collect()
                 continue
             _, prefill = self._schedule()
-            if not self.running:
-                raise RuntimeError(f"replica tp={self.tp}: no request fits in {self.cap} KV tokens "
-                                   f"(waiting {len(self.waiting)})")
             # One forward over every running request (newly admitted ones sample their first token too) plus
             # the prefill of the admitted tokens: how profile/measure.py separates the two.
             b = len(self.running)
@@ -360,7 +361,9 @@ class EngineReplica:
                     need += self.ratio * (tail_sum - off * tail_n + clip * (b - tail_n) + head_budget)
                 if need <= self.cap:
                     break
-            n = min(max_steps - done, heap[0][0] - off, (self.cap - self.used) // b - bs)
+            n = min(max_steps - done, heap[0][0] - off)
+            if b > 1:  # KV room, as `_chunk_len`
+                n = min(n, (self.cap - self.used) // b - bs)
             if head is not None and sched.kind == "sglang":
                 n = min(n, sched.recheck_steps)
             if n < 2:
