@@ -102,6 +102,7 @@ class EngineReplica:
         self.decode_tokens = 0  # tokens sampled by decode steps (batch summed over steps): a poll's mean batch
         self.finished: list[tuple[float, EngineReq]] = []
         self._order = 0
+        self._carry: tuple | None = None  # _drain_chunks' totals, carried to its next call (see _carried)
         self.slowdown = 1.0
         self._sharing = sched.prefix_sharing
         self._bs = sched.block_size
@@ -125,6 +126,7 @@ class EngineReplica:
         r.alloc = own
 
     def _release(self, r: EngineReq) -> None:
+        self._carry = None
         self.used -= r.alloc
         r.alloc = 0
         r.cached = False
@@ -145,6 +147,7 @@ class EngineReplica:
         return True
 
     def _admit(self, r: EngineReq, cached: bool = False) -> None:
+        self._carry = None
         if self.sched.prefix_sharing:
             if r.prompt_key not in self.groups:
                 self.used += r.prompt_len
@@ -248,7 +251,7 @@ class EngineReplica:
         step_model = self.step_model
         linear = self._sharing or self._bs == 1
         while done < max_steps and self.busy and self.t < until_t:
-            if linear and self.running and not self._admission_possible():
+            if linear and self.running and (self._carried() or not self._admission_possible()):
                 k = self._drain_chunks(max_steps - done, until_t)
                 done += k
                 if k:
@@ -326,27 +329,33 @@ class EngineReplica:
         O(log b) per chunk instead of O(b): finishes come off a heap; the context sum, KV use and the admission
         reserve's remaining budgets are kept as totals; the requests' g / alloc are written back on the way out.
         Returns steps run (0: the next chunk is under 2 steps or admits, the caller steps singly)."""
-        running, sched = self.running, self.sched
-        heap = [(r.length - r.g, i) for i, r in enumerate(running)]
-        heapq.heapify(heap)
-        g0 = [r.g for r in running]
-        own0 = [self._own_tokens(r, r.prompt_len + r.g - 1) for r in running]  # alloc after a chunk, less its steps
-        deficit = sum(o - r.alloc for o, r in zip(own0, running))
-        ctx = sum(r.prompt_len + r.g for r in running)
-        b, off, done, bs = len(running), 0, 0, self._bs
+        sched, done, bs = self.sched, 0, self._bs
         head = self.waiting[0] if self.waiting else None
         reserve = head is not None and sched.kind == "sglang"
-        if reserve:  # sum of min(max_new - g, clip) over running = tail_sum - off * tail_n + clip * (b - tail_n)
-            clip = sched.clip_max_new_tokens
-            budget = [r.max_new - r.g for r in running]
-            in_tail = [x <= clip for x in budget]
-            tail_n = sum(in_tail)
-            tail_sum = sum(x for x, t in zip(budget, in_tail) if t)
-            enter = [(x - clip, i) for i, x in enumerate(budget) if x > clip]  # offset where each enters the tail
-            heapq.heapify(enter)
-            head_budget = min(head.max_new - head.g, clip)
-        if head is not None:
-            head_own = self._own_tokens(head, head.prompt_len + head.g)
+        if self._carried():
+            (_, _, _, _, running, heap, g0, own0, deficit, ctx, b, off,
+             clip, budget, in_tail, tail_n, tail_sum, enter, head_budget, head_own) = self._carry
+        else:
+            running = self.running
+            heap = [(r.length - r.g, i) for i, r in enumerate(running)]
+            heapq.heapify(heap)
+            g0 = [r.g for r in running]
+            own0 = [self._own_tokens(r, r.prompt_len + r.g - 1) for r in running]  # alloc after a chunk, less its steps
+            deficit = sum(o - r.alloc for o, r in zip(own0, running))
+            ctx = sum(r.prompt_len + r.g for r in running)
+            b, off = len(running), 0
+            clip = budget = in_tail = tail_n = tail_sum = enter = head_budget = head_own = None
+            if reserve:  # sum of min(max_new - g, clip) over running = tail_sum - off * tail_n + clip * (b - tail_n)
+                clip = sched.clip_max_new_tokens
+                budget = [r.max_new - r.g for r in running]
+                in_tail = [x <= clip for x in budget]
+                tail_n = sum(in_tail)
+                tail_sum = sum(x for x, t in zip(budget, in_tail) if t)
+                enter = [(x - clip, i) for i, x in enumerate(budget) if x > clip]  # offset where each enters the tail
+                heapq.heapify(enter)
+                head_budget = min(head.max_new - head.g, clip)
+            if head is not None:
+                head_own = self._own_tokens(head, head.prompt_len + head.g)
         while done < max_steps and b and self.t < until_t:
             if head is not None and b < sched.max_num_seqs:  # _admission_possible, on the totals
                 need = self.used + head_own + (head.prompt_len if self._sharing and head.prompt_key not in self.groups
@@ -399,7 +408,21 @@ class EngineReplica:
                     r.g, r.alloc = g0[i] + off, own0[i] + off
                     kept.append(r)
             self.running = kept
+        self._carry = (self.running, head, self.steps, self.used, running, heap, g0, own0, deficit, ctx, b, off,
+                       clip, budget, in_tail, tail_n, tail_sum, enter, head_budget, head_own)
         return done
+
+    def _carried(self) -> bool:
+        """Whether `_drain_chunks` left its totals and nothing but the clock (and the queue behind its head)
+        changed since: the same running list, head of the queue, steps and KV use (`_admit` / `_release` drop
+        them too)."""
+        c = self._carry
+        return (c is not None and c[0] is self.running and c[1] is (self.waiting[0] if self.waiting else None)
+                and c[2] == self.steps and c[3] == self.used)
+
+    def drop_carry(self) -> None:
+        """Forget `_drain_chunks`' carried totals (a cache: before a copy, which need not carry them)."""
+        self._carry = None
 
     def _admission_possible(self) -> bool:
         if not self.waiting or len(self.running) >= self.sched.max_num_seqs:
