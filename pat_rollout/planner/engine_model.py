@@ -217,6 +217,9 @@ class EngineReplica:
         prefill = 0
         if self.sched.kind == "ref" and preempted:
             return num_decode, 0
+        sglang, clip = self.sched.kind == "sglang", self.sched.clip_max_new_tokens
+        # _reserve(r) without its O(running) sum per admitted request: the running part, kept as requests join
+        rem = sum(min(r.max_new - r.g, clip) for r in self.running) if sglang and self.waiting else 0
         while self.waiting and len(self.running) < self.sched.max_num_seqs:
             r = self.waiting[0]
             n = self._prefill_tokens_of(r)
@@ -225,10 +228,12 @@ class EngineReplica:
             shared = self.sched.prefix_sharing and r.prompt_key in self.groups
             need = self._own_tokens(r, r.prompt_len + r.g) + (0 if shared or not self.sched.prefix_sharing
                                                                else r.prompt_len)
-            if self.running and self.used + need + self._reserve(r) > self.cap:
+            own_rem = min(r.max_new - r.g, clip)
+            if self.running and self.used + need + (self.ratio * (rem + own_rem) if sglang else 0.0) > self.cap:
                 break
             self.waiting.popleft()
             self._admit(r)
+            rem += own_rem
             prefill += n
         return num_decode, prefill
 
@@ -251,12 +256,15 @@ class EngineReplica:
         step_model = self.step_model
         linear = self._sharing or self._bs == 1
         while done < max_steps and self.busy and self.t < until_t:
-            if linear and self.running and (self._carried() or not self._admission_possible()):
+            admits = None  # _admission_possible(), once per pass (O(running) under SGLang's reserve)
+            if linear and self.running and (self._carried() or not (admits := self._admission_possible())):
                 k = self._drain_chunks(max_steps - done, until_t)
                 done += k
                 if k:
                     continue
-            n = self._chunk_len(max_steps - done) if self.running and not self._admission_possible() else 0
+            if admits is None and self.running:
+                admits = self._admission_possible()
+            n = self._chunk_len(max_steps - done) if self.running and not admits else 0
             if n >= 2:
                 b = len(self.running)
                 n, chunk = self._chunk(b, sum(r.prompt_len + r.g for r in self.running) / b, n, until_t)
