@@ -348,7 +348,8 @@ class EngineReplica:
             heap = [(r.length - r.g, i) for i, r in enumerate(running)]
             heapq.heapify(heap)
             g0 = [r.g for r in running]
-            own0 = [self._own_tokens(r, r.prompt_len + r.g - 1) for r in running]  # alloc after a chunk, less its steps
+            # alloc after a chunk, less its steps: _own_tokens(r, prompt + g - 1) inlined (sharing, or blocks of 1)
+            own0 = [r.g - 1 for r in running] if self._sharing else [r.prompt_len + r.g - 1 for r in running]
             deficit = sum(o - r.alloc for o, r in zip(own0, running))
             ctx = sum(r.prompt_len + r.g for r in running)
             b, off = len(running), 0
