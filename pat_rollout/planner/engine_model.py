@@ -34,6 +34,10 @@ class SchedulerModel:
       the new one) fits; new_token_ratio decays from init to min over decay_steps and resets on retraction;
       retract the running request with the fewest output tokens (ties: longest prompt) first, its KV freed and
       re-prefilled later (SGLang's retract_decode). Prompts of one GRPO group share their KV (radix cache).
+    - Both: a replica never idles with a queue. With nothing running it admits the head of its queue even when
+      that does not fit, and it never preempts its last running request: a request larger than the KV runs alone
+      past it. The reference engine rejects such a request at submission (engine.ref.config.check_request); the
+      planner's lookahead meets it when a unit of m requests outgrows its 1/m of the KV (planner/lookahead.py).
     - recheck_steps: while requests wait under "sglang", a chunk of decode steps runs at most this many steps
       before admission is tested again (the ratio decays step by step); the planner's lookahead may test less
       often, for speed."""
@@ -98,6 +102,7 @@ class EngineReplica:
         self.decode_tokens = 0  # tokens sampled by decode steps (batch summed over steps): a poll's mean batch
         self.finished: list[tuple[float, EngineReq]] = []
         self._order = 0
+        self._carry: tuple | None = None  # _drain_chunks' totals, carried to its next call (see _carried)
         self.slowdown = 1.0
         self._sharing = sched.prefix_sharing
         self._bs = sched.block_size
@@ -121,6 +126,7 @@ class EngineReplica:
         r.alloc = own
 
     def _release(self, r: EngineReq) -> None:
+        self._carry = None
         self.used -= r.alloc
         r.alloc = 0
         r.cached = False
@@ -141,6 +147,7 @@ class EngineReplica:
         return True
 
     def _admit(self, r: EngineReq, cached: bool = False) -> None:
+        self._carry = None
         if self.sched.prefix_sharing:
             if r.prompt_key not in self.groups:
                 self.used += r.prompt_len
@@ -195,7 +202,7 @@ class EngineReplica:
                     queue.remove(v)
                     self._preempt(v)
                     preempted = True
-                if need > self.cap - self.used:
+                if need > self.cap - self.used and kept:  # alone, it stays (SchedulerModel)
                     self._preempt(r)
                     preempted = True
                     continue
@@ -210,6 +217,9 @@ class EngineReplica:
         prefill = 0
         if self.sched.kind == "ref" and preempted:
             return num_decode, 0
+        sglang, clip = self.sched.kind == "sglang", self.sched.clip_max_new_tokens
+        # _reserve(r) without its O(running) sum per admitted request: the running part, kept as requests join
+        rem = sum(min(r.max_new - r.g, clip) for r in self.running) if sglang and self.waiting else 0
         while self.waiting and len(self.running) < self.sched.max_num_seqs:
             r = self.waiting[0]
             n = self._prefill_tokens_of(r)
@@ -218,10 +228,12 @@ class EngineReplica:
             shared = self.sched.prefix_sharing and r.prompt_key in self.groups
             need = self._own_tokens(r, r.prompt_len + r.g) + (0 if shared or not self.sched.prefix_sharing
                                                                else r.prompt_len)
-            if self.used + need + self._reserve(r) > self.cap:
+            own_rem = min(r.max_new - r.g, clip)
+            if self.running and self.used + need + (self.ratio * (rem + own_rem) if sglang else 0.0) > self.cap:
                 break
             self.waiting.popleft()
             self._admit(r)
+            rem += own_rem
             prefill += n
         return num_decode, prefill
 
@@ -232,8 +244,8 @@ class EngineReplica:
         free = self.cap - self.used
         b = len(self.running)
         bs = self.sched.block_size
-        safe = free // b - bs  # each request grows by n tokens plus at most one partly filled block
-        n = min(n, safe)
+        if b > 1:  # each request grows by n tokens plus at most one partly filled block; a lone one stays
+            n = min(n, free // b - bs)
         if self.waiting and self.sched.kind == "sglang":
             n = min(n, self.sched.recheck_steps)  # the admission ratio decays: look again soon
         return n
@@ -244,12 +256,15 @@ class EngineReplica:
         step_model = self.step_model
         linear = self._sharing or self._bs == 1
         while done < max_steps and self.busy and self.t < until_t:
-            if linear and self.running and not self._admission_possible():
+            admits = None  # _admission_possible(), once per pass (O(running) under SGLang's reserve)
+            if linear and self.running and (self._carried() or not (admits := self._admission_possible())):
                 k = self._drain_chunks(max_steps - done, until_t)
                 done += k
                 if k:
                     continue
-            n = self._chunk_len(max_steps - done) if self.running and not self._admission_possible() else 0
+            if admits is None and self.running:
+                admits = self._admission_possible()
+            n = self._chunk_len(max_steps - done) if self.running and not admits else 0
             if n >= 2:
                 b = len(self.running)
                 n, chunk = self._chunk(b, sum(r.prompt_len + r.g for r in self.running) / b, n, until_t)
@@ -277,9 +292,6 @@ class EngineReplica:
                 self._collect()
                 continue
             _, prefill = self._schedule()
-            if not self.running:
-                raise RuntimeError(f"replica tp={self.tp}: no request fits in {self.cap} KV tokens "
-                                   f"(waiting {len(self.waiting)})")
             # One forward over every running request (newly admitted ones sample their first token too) plus
             # the prefill of the admitted tokens: how profile/measure.py separates the two.
             b = len(self.running)
@@ -325,27 +337,34 @@ class EngineReplica:
         O(log b) per chunk instead of O(b): finishes come off a heap; the context sum, KV use and the admission
         reserve's remaining budgets are kept as totals; the requests' g / alloc are written back on the way out.
         Returns steps run (0: the next chunk is under 2 steps or admits, the caller steps singly)."""
-        running, sched = self.running, self.sched
-        heap = [(r.length - r.g, i) for i, r in enumerate(running)]
-        heapq.heapify(heap)
-        g0 = [r.g for r in running]
-        own0 = [self._own_tokens(r, r.prompt_len + r.g - 1) for r in running]  # alloc after a chunk, less its steps
-        deficit = sum(o - r.alloc for o, r in zip(own0, running))
-        ctx = sum(r.prompt_len + r.g for r in running)
-        b, off, done, bs = len(running), 0, 0, self._bs
+        sched, done, bs = self.sched, 0, self._bs
         head = self.waiting[0] if self.waiting else None
         reserve = head is not None and sched.kind == "sglang"
-        if reserve:  # sum of min(max_new - g, clip) over running = tail_sum - off * tail_n + clip * (b - tail_n)
-            clip = sched.clip_max_new_tokens
-            budget = [r.max_new - r.g for r in running]
-            in_tail = [x <= clip for x in budget]
-            tail_n = sum(in_tail)
-            tail_sum = sum(x for x, t in zip(budget, in_tail) if t)
-            enter = [(x - clip, i) for i, x in enumerate(budget) if x > clip]  # offset where each enters the tail
-            heapq.heapify(enter)
-            head_budget = min(head.max_new - head.g, clip)
-        if head is not None:
-            head_own = self._own_tokens(head, head.prompt_len + head.g)
+        if self._carried():
+            (_, _, _, _, running, heap, g0, own0, deficit, ctx, b, off,
+             clip, budget, in_tail, tail_n, tail_sum, enter, head_budget, head_own) = self._carry
+        else:
+            running = self.running
+            heap = [(r.length - r.g, i) for i, r in enumerate(running)]
+            heapq.heapify(heap)
+            g0 = [r.g for r in running]
+            # alloc after a chunk, less its steps: _own_tokens(r, prompt + g - 1) inlined (sharing, or blocks of 1)
+            own0 = [r.g - 1 for r in running] if self._sharing else [r.prompt_len + r.g - 1 for r in running]
+            deficit = sum(o - r.alloc for o, r in zip(own0, running))
+            ctx = sum(r.prompt_len + r.g for r in running)
+            b, off = len(running), 0
+            clip = budget = in_tail = tail_n = tail_sum = enter = head_budget = head_own = None
+            if reserve:  # sum of min(max_new - g, clip) over running = tail_sum - off * tail_n + clip * (b - tail_n)
+                clip = sched.clip_max_new_tokens
+                budget = [r.max_new - r.g for r in running]
+                in_tail = [x <= clip for x in budget]
+                tail_n = sum(in_tail)
+                tail_sum = sum(x for x, t in zip(budget, in_tail) if t)
+                enter = [(x - clip, i) for i, x in enumerate(budget) if x > clip]  # offset where each enters the tail
+                heapq.heapify(enter)
+                head_budget = min(head.max_new - head.g, clip)
+            if head is not None:
+                head_own = self._own_tokens(head, head.prompt_len + head.g)
         while done < max_steps and b and self.t < until_t:
             if head is not None and b < sched.max_num_seqs:  # _admission_possible, on the totals
                 need = self.used + head_own + (head.prompt_len if self._sharing and head.prompt_key not in self.groups
@@ -360,7 +379,9 @@ class EngineReplica:
                     need += self.ratio * (tail_sum - off * tail_n + clip * (b - tail_n) + head_budget)
                 if need <= self.cap:
                     break
-            n = min(max_steps - done, heap[0][0] - off, (self.cap - self.used) // b - bs)
+            n = min(max_steps - done, heap[0][0] - off)
+            if b > 1:  # KV room, as `_chunk_len`
+                n = min(n, (self.cap - self.used) // b - bs)
             if head is not None and sched.kind == "sglang":
                 n = min(n, sched.recheck_steps)
             if n < 2:
@@ -396,7 +417,21 @@ class EngineReplica:
                     r.g, r.alloc = g0[i] + off, own0[i] + off
                     kept.append(r)
             self.running = kept
+        self._carry = (self.running, head, self.steps, self.used, running, heap, g0, own0, deficit, ctx, b, off,
+                       clip, budget, in_tail, tail_n, tail_sum, enter, head_budget, head_own)
         return done
+
+    def _carried(self) -> bool:
+        """Whether `_drain_chunks` left its totals and nothing but the clock (and the queue behind its head)
+        changed since: the same running list, head of the queue, steps and KV use (`_admit` / `_release` drop
+        them too)."""
+        c = self._carry
+        return (c is not None and c[0] is self.running and c[1] is (self.waiting[0] if self.waiting else None)
+                and c[2] == self.steps and c[3] == self.used)
+
+    def drop_carry(self) -> None:
+        """Forget `_drain_chunks`' carried totals (a cache: before a copy, which need not carry them)."""
+        self._carry = None
 
     def _admission_possible(self) -> bool:
         if not self.waiting or len(self.running) >= self.sched.max_num_seqs:
