@@ -22,8 +22,10 @@ from pat_rollout.types import Request, SamplingParams  # noqa: E402
 
 pytestmark = [pytest.mark.sglang, pytest.mark.slow]
 
-PROMPT, MAX_NEW = 16, 112  # 128 tokens per request
-KV_TOKENS = 300  # per TP1 replica: two requests fit (256), three do not (384); TP2 holds ~600: four fit (512)
+# 480 tokens per request (the tiny models' context is 512): long enough that the first two are still decoding
+# after the checks below (with 128-token requests, 0.5.12 on an idle machine showed (2, 0) after the 0.3 s wait).
+PROMPT, MAX_NEW = 16, 464
+KV_TOKENS = 1100  # per TP1 replica: two requests fit (960), three do not (1440); TP2 holds ~2200: four fit (1920)
 
 
 def _wait_info(pool, pred, what: str, timeout: float = 120.0) -> list[dict]:
