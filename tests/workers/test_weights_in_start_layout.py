@@ -48,6 +48,19 @@ def buckets(weights: dict[str, torch.Tensor], num: int = 3) -> list[list[tuple[s
     return [items[i::num] for i in range(num)]
 
 
+def load_then_generate(driver: RolloutDriver, weights: dict[str, torch.Tensor], requests) -> tuple[list, dict]:
+    """Load `weights` bucket by bucket: the pool ends in the planner's start layout (1 x TP2), every device serves
+    and backs up its shard, and the next stage starts there without a switch. Returns its outputs and metrics."""
+    for bucket in buckets(weights):
+        bounded(lambda b=bucket: driver.update_weights(b), 120)
+    assert driver.layout.tp_size == 2
+    check_weights(driver, weights)
+    out = bounded(lambda: driver.generate(requests, timeout=300), 300)
+    m = driver.stage_metrics()
+    assert m["pat/num_reconfigs"] == 0 and m["pat/layouts"].startswith("1xTP2"), m
+    return out, m
+
+
 def test_weights_load_in_the_next_start_layout_and_roll_back_consistently(ray_cluster, tiny_models, tiny_profile,
                                                                           tmp_path):
     first = {n: t.to(torch.float64) for n, t in load_file(f"{tiny_models['llama']}/model.safetensors").items()}
@@ -73,25 +86,13 @@ def test_weights_load_in_the_next_start_layout_and_roll_back_consistently(ray_cl
         assert driver.planner.next_start_tp() == 2 and driver.layout.tp_size == 2
 
         # 1. the pool is in the next start layout: every bucket loads in place, no switch
-        for bucket in buckets(second):
-            bounded(lambda b=bucket: driver.update_weights(b), 120)
-        assert driver.layout.tp_size == 2
-        check_weights(driver, second)
-        out2 = bounded(lambda: driver.generate(few, timeout=300), 300)
-        m2 = driver.stage_metrics()
-        assert m2["pat/num_reconfigs"] == 0 and m2["pat/layouts"].count("TP") == 1, m2  # starts where it loaded
-        assert m2["pat/layouts"].startswith("1xTP2"), m2
+        out2, m2 = load_then_generate(driver, second, few)
+        assert m2["pat/layouts"].count("TP") == 1, m2  # starts where it loaded
 
         # 2. the pool is elsewhere (a caller switched back): the first bucket switches it, the rest load in place
         bounded(lambda: driver.reconfigure(1), 120)
         assert driver.layout == driver.base
-        for bucket in buckets(first):
-            bounded(lambda b=bucket: driver.update_weights(b), 120)
-        assert driver.layout.tp_size == 2
-        check_weights(driver, first)
-        out3 = bounded(lambda: driver.generate(few, timeout=300), 300)
-        m3 = driver.stage_metrics()
-        assert m3["pat/num_reconfigs"] == 0 and m3["pat/layouts"].startswith("1xTP2"), m3
+        out3, _ = load_then_generate(driver, first, few)
 
         # 3. a bucket that fails on one device after loading there: every device back in the base layout, engine
         # and backup equal to what the backup held (this bucket's previous weights, the earlier bucket kept)
