@@ -4,10 +4,9 @@ in-flight requests with a message naming the device, and weight updates return t
 from __future__ import annotations
 
 import json
-import time
 
 import pytest
-from pool_helpers import pool_config, skewed_requests
+from pool_helpers import pool_config, skewed_requests, wait_first_done
 
 from pat_rollout.driver import RolloutDriver
 from pat_rollout.models import make_tiny_model
@@ -46,9 +45,12 @@ def test_reconfigure_to_unbuilt_tp_and_oversized_requests_are_rejected(ray_clust
 def test_dead_actor_fails_requests_with_clear_error(ray_cluster, tiny_models):
     driver = RolloutDriver(pool_config(tiny_models["llama"], policy="static", steps_per_poll=1, num_kv_blocks=128))
     try:
-        futures = [driver.submit(r) for r in skewed_requests(long_len=200)]
-        time.sleep(0.5)
+        futures = [driver.submit(r) for r in skewed_requests(long_len=400)]
+        # Kill as soon as a short request finishes: the two long ones (one per replica) still have ~390 steps
+        # left. A fixed sleep raced them: on an idle machine all six finished within 0.5 s.
+        wait_first_done(futures)
         driver.pool.group.kill(1)
+        assert not any(f.done() for f in futures[:2]), "the long requests finished before the kill"
         with pytest.raises(RuntimeError, match=r"device 1's actor died"):
             for f in futures:
                 f.result(timeout=120)
