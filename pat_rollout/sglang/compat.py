@@ -102,6 +102,58 @@ def route_abort_outputs(scheduler_cls) -> None:
     scheduler_cls.send_abort_output = send_abort_output
 
 
+# ---- scheduler input path ------------------------------------------------------------------------------------
+def install_replica_input(leader_share, replica_broadcast, send_to_other_leaders) -> None:
+    """Replace SGLang's input path (rank 0 reads, then one broadcast over the WORLD-sized TP group) with the pool's
+    per-replica one (`replica_input`): `leader_share(pull_raw)` is what this rank's replica gets (None on a rank
+    that does not lead), `replica_broadcast` spreads it over the replica. 0.5.23: the two steps of
+    `SchedulerRequestReceiver.recv_requests` (its other steps stay); rank 0's own timeout aborts (`local_reqs`) go
+    to every leader. 0.5.12: `Scheduler.recv_requests` is one method; the pool's engine (text only,
+    skip_tokenizer_init, no DP attention, no pipeline) needs only its read and broadcast."""
+    try:
+        from sglang.srt.managers.scheduler_components.request_receiver import SchedulerRequestReceiver
+    except ImportError:  # 0.5.12
+        _install_replica_input_0512(leader_share, replica_broadcast)
+        return
+    orig_pull = SchedulerRequestReceiver._pull_raw_reqs
+
+    def _pull_raw_reqs(self):
+        return leader_share(lambda: orig_pull(self))
+
+    def _broadcast_reqs_across_ranks(self, recv_reqs, local_reqs=None):
+        if local_reqs:  # made on rank 0 only, which always leads its replica
+            send_to_other_leaders(local_reqs)
+            recv_reqs = [*(recv_reqs or []), *local_reqs]
+        return replica_broadcast(recv_reqs)
+
+    SchedulerRequestReceiver._pull_raw_reqs = _pull_raw_reqs
+    SchedulerRequestReceiver._broadcast_reqs_across_ranks = _broadcast_reqs_across_ranks
+
+
+def _install_replica_input_0512(leader_share, replica_broadcast) -> None:
+    import zmq
+    from sglang.srt.managers.scheduler import Scheduler
+
+    def recv_requests(self):
+        if self.recv_skipper is not None or self.input_blocker is not None:
+            raise RuntimeError("SglPool: scheduler_recv_interval > 1 and SGLANG_ENABLE_COLOCATED_BATCH_GEN are not "
+                               "supported (the pool routes every request itself)")
+
+        def pull_raw() -> list:
+            reqs: list = []
+            for sock in (self.recv_from_tokenizer, self.recv_from_rpc):
+                while not self.recv_limit_reached(len(reqs)):
+                    try:
+                        reqs.append(sock.recv_pyobj(zmq.NOBLOCK))
+                    except zmq.ZMQError:
+                        break
+            return reqs
+
+        return replica_broadcast(leader_share(pull_raw))
+
+    Scheduler.recv_requests = recv_requests
+
+
 # ---- build, attention, weights -------------------------------------------------------------------------------
 def build_methods() -> list[tuple[type, str]]:
     """The methods that build the model, KV pool and attention backend, each to run under the base layout's

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 from pat_rollout.engine.base import Engine, EngineSnapshot, RunningInfo, StepResult
 from pat_rollout.sglang import compat, inventory
 from pat_rollout.sglang.launch import launch_engine
-from pat_rollout.sglang.pool_hooks import make_rid
+from pat_rollout.sglang.replica_input import make_rid
 from pat_rollout.types import Request, RequestOutput, RequestState, SamplingParams
 
 if TYPE_CHECKING:

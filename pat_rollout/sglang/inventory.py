@@ -47,6 +47,7 @@ PS = "sglang.srt.distributed.parallel_state"
 SCHED = "sglang.srt.managers.scheduler"
 ENG = "sglang.srt.entrypoints.engine:Engine"
 MC = "sglang.srt.mem_cache"
+RR = "sglang.srt.managers.scheduler_components.request_receiver:SchedulerRequestReceiver"
 MR = "sglang.srt.model_executor.model_runner:ModelRunner"
 TPW = "sglang.srt.managers.tp_worker:TpModelWorker"
 SA = "sglang.srt.server_args:ServerArgs"
@@ -83,7 +84,13 @@ STATIC: tuple[Need, ...] = (
     # Scheduler: pat_* RPCs are set on it; methods patched
     _n("scheduler_hooks.install: pat_* RPC methods", f"{SCHED}:Scheduler"),
     _n("pool_hooks._install_output_path (patched)", f"{SCHED}:Scheduler.init_ipc_channels"),
-    _n("pool_hooks._install_routing (patched)", f"{SCHED}:Scheduler.process_input_requests"),
+    _n("compat.install_replica_input (patched: per-replica input; 0.5.12: the whole method)",
+       f"{RR}._pull_raw_reqs + {RR}._broadcast_reqs_across_ranks",
+       f"{SCHED}:Scheduler.recv_requests + {SCHED}:Scheduler.recv_limit_reached"),
+    _n("replica_input.route", "sglang.srt.managers.io_struct:BatchTokenizedGenerateReqInput.batch + "
+       "sglang.srt.managers.io_struct:RpcReqInput"),
+    _n("replica_input.replica_broadcast", "sglang.srt.utils:broadcast_pyobj"),
+    _n("replica_input.open_sockets", "sglang.srt.server_args:PortArgs.scheduler_input_ipc_name"),
     _n("compat.build_methods (patched: built under the base layout)",
        f"{SCHED}:Scheduler.init_memory_pools + {SCHED}:Scheduler.init_tp_model_worker + "
        f"{SCHED}:Scheduler.init_all_attention_backends", f"{MR}.initialize"),
@@ -97,7 +104,7 @@ STATIC: tuple[Need, ...] = (
        f"{SCHED}:SenderWrapper.send_output"),
     _n("compat.route_abort_outputs (0.5.23; 0.5.12: compat._AbortOnly on send_to_tokenizer)",
        f"{SCHED}:Scheduler.send_abort_output", "sglang.srt.managers.io_struct:AbortReq"),
-    _n("pool_hooks._install_routing", "sglang.srt.managers.io_struct:TokenizedGenerateReqInput.rid"),
+    _n("replica_input.route", "sglang.srt.managers.io_struct:TokenizedGenerateReqInput.rid"),
     _n("pool_hooks._install_output_path", "sglang.srt.utils.network:get_zmq_socket",),
     _n("pool_hooks._install_output_path", "sglang.srt.server_args:PortArgs.tokenizer_ipc_name"),
     # sampling: every rank of a new replica reseeded alike (pool_switch._reseed); the tests' sampled-id log
@@ -109,6 +116,8 @@ STATIC: tuple[Need, ...] = (
        "sglang.srt.managers.io_struct:RpcReqInput"),
     _n("pool.pool_engine_args: a child's SIGQUIT must not kill the driver", f"{SA}.custom_sigquit_handler"),
     _n("debug_hooks.install (patched; tests only)", f"{SCHED}:Scheduler.process_batch_result"),
+    _n("debug_hooks._install_step_log (tests only)", "sglang.srt.managers.schedule_batch:ScheduleBatch.forward_mode",
+       "sglang.srt.managers.schedule_batch:ModelWorkerBatch.forward_mode"),
     # sampling: the `sampling_seed` key of every sampled request
     _n("engine.sglang_sampling_params (0.5.23: a msgspec field; 0.5.12: set in __init__)",
        "sglang.srt.sampling.sampling_params:SamplingParams.sampling_seed",

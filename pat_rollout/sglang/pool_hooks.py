@@ -8,14 +8,14 @@ Installed by `scheduler_hooks.run_scheduler_process` when `PAT_SGLANG_POOL` hold
 - build: model, KV pool and attention backend are built under the base layout's group
   (`patch_tensor_parallel_group`), so each rank of a 2xTP1 pool holds a TP=1 replica (full weights, all KV heads);
 - forward: every forward runs under the current layout's group;
-- routing: WORLD rank 0 still receives every request and broadcasts it to all ranks (SGLang's only request path),
-  and each rank keeps the generate requests whose rid names its replica (`pat-r{replica}-...`). Aborts and control
-  requests reach every rank; an abort of a request a rank does not hold is a no-op there;
+- input: WORLD rank 0 still reads every request, but routes it instead of broadcasting it over the WORLD: a
+  generate request to the leader of the replica its rid names, everything else to every leader; each leader
+  broadcasts its share within its replica (`replica_input`);
 - output: the first rank of each replica sends its replica's outputs to the tokenizer manager (ranks other than 0
   get their own PUSH socket); control answers stay with WORLD rank 0 only.
 
-Ranks of different replicas run different batches, but their event loops stay in step: each iteration starts with
-rank 0's request broadcast over the WORLD CPU group. Only stdlib/torch/pat_rollout at import time.
+Ranks of different replicas run different batches in event loops of their own; they meet only in the RPCs and
+control requests every rank runs (in the same order). Only stdlib/torch/pat_rollout at import time.
 """
 
 from __future__ import annotations
@@ -28,22 +28,9 @@ from typing import Any
 
 import torch
 
-from pat_rollout.sglang import compat
+from pat_rollout.sglang import compat, replica_input
 
 POOL_ENV = "PAT_SGLANG_POOL"
-RID_PREFIX = "pat-r"
-
-
-def make_rid(replica: int, unique: str) -> str:
-    """Request id that routes to `replica`; fixed length per replica (SGLang aborts match rids by prefix)."""
-    return f"{RID_PREFIX}{replica}-{unique}"
-
-
-def replica_of_rid(rid: str) -> int | None:
-    if not rid.startswith(RID_PREFIX):
-        return None
-    head, sep, _ = rid[len(RID_PREFIX):].partition("-")
-    return int(head) if sep and head.isdigit() else None
 
 
 @dataclass(slots=True)
@@ -126,6 +113,7 @@ def _install_output_path() -> None:
         orig_init(self, port_args)
         if not self.skip_tokenizer_init:
             raise RuntimeError("SglPool needs skip_tokenizer_init=True (outputs go straight to the tokenizer side)")
+        replica_input.open_sockets(STATE, port_args.scheduler_input_ipc_name)
         if STATE.rank == 0:  # rank 0 always leads its replica (groups are sorted): SGLang's own sockets stay
             return
         import zmq
@@ -138,19 +126,10 @@ def _install_output_path() -> None:
     compat.route_abort_outputs(Scheduler)  # aborts of queued requests, too, leave through the rank's sender
 
 
-def _install_routing() -> None:
-    from sglang.srt.managers.io_struct import TokenizedGenerateReqInput
-    from sglang.srt.managers.scheduler import Scheduler
-
-    orig = Scheduler.process_input_requests
-
-    def process_input_requests(self, recv_reqs):
-        mine = STATE.replica
-        keep = [r for r in recv_reqs if not isinstance(r, TokenizedGenerateReqInput)
-                or (replica_of_rid(r.rid) or 0) == mine]
-        return orig(self, keep)
-
-    Scheduler.process_input_requests = process_input_requests
+def _install_input_path() -> None:
+    compat.install_replica_input(lambda pull_raw: replica_input.leader_share(STATE, pull_raw),
+                                 lambda reqs: replica_input.replica_broadcast(STATE, reqs),
+                                 lambda reqs: replica_input.send_to_other_leaders(STATE, reqs))
 
 
 def _install_build_and_forward() -> None:
@@ -196,7 +175,7 @@ def install() -> bool:
     # Which WORLD rank this process is: set by SGLang before the scheduler runs, read lazily.
     STATE = PoolState(rank=-1, world=world, base=base, groups=base, layouts=layouts)
     _install_output_path()
-    _install_routing()
+    _install_input_path()
     _install_build_and_forward()
     return True
 

@@ -186,8 +186,10 @@ def pat_switch(self, dst_groups: list[list[int]], moves: list[list[Any]], path: 
     the phase; a failure in a transfer phase aborts the transport first, so no peer stays blocked on it."""
     st = pool_hooks.STATE
     st.switches += 1  # first, before any failure point: every rank counts every switch and rollback
+    src_groups = st.groups
     transport = _transport(transfer_timeout)
     state = {"phase": "export"}
+    error: BaseException | None = None
     try:
         _switch(self, state, transport, dst_groups, moves, path)
     except BaseException as e:
@@ -195,7 +197,23 @@ def pat_switch(self, dst_groups: list[list[int]], moves: list[list[Any]], path: 
             transport.abort()
         with contextlib.suppress(AttributeError):
             e.pat_phase = state["phase"]
-        raise
+        error = e
+    _route_by_agreed_layout(error is None, src_groups)
+    if error is not None:
+        raise error
+
+
+def _route_by_agreed_layout(ok: bool, src_groups: tuple[tuple[int, ...], ...]) -> None:
+    """A switch changes who leads a replica, and rank 0 routes each request by its own view of the layout
+    (`replica_input`). If the switch failed on any rank (in a phase without a collective, the others finished it),
+    every rank goes back to the old layout's groups, so the driver's rollback RPC reaches every leader alike;
+    `pat_restore_base` then rebuilds the base layout on every rank. One all-gather over the WORLD's CPU group."""
+    st = pool_hooks.STATE
+    rank_rpc.enter(rank_rpc.AGREE_PHASE)
+    every: list[Any] = [None] * st.world
+    torch.distributed.all_gather_object(every, ok, group=_world().cpu_group)
+    if not all(every):
+        st.groups = src_groups
 
 
 def _agree(error: Exception | None, what: str, payload: Any) -> list[Any]:

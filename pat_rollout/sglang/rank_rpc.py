@@ -26,6 +26,7 @@ from pat_rollout.driver.errors import WorkerError
 
 STATUS_KW = "pat_status"  # the keyword every pat_* RPC gets: the path prefix of its status files
 FAULT_PHASES = ("export", "kv", "reshard", "switch", "import")  # pat_switch phases a test can fail or hang in
+AGREE_PHASE = "agree"  # pat_switch's last step: a rank here waits for the others (it is not the one that hangs)
 _current: dict[str, Any] = {"status": None, "rank": None}
 
 
@@ -97,6 +98,8 @@ def describe_failures(status: str, num_ranks: int) -> str:
         s = statuses.get(r)
         phase = (s or {}).get("phase") or read_phase(status, r)
         where = f" in phase {phase}" if phase else ""
+        if s is None and phase == AGREE_PHASE:
+            where += " (waiting for the other ranks)"
         if s is None:
             parts.append(f"rank {r}{where} did not finish")
         elif not s["ok"]:
@@ -120,6 +123,7 @@ def call(sgl: Any, method: str, kw: dict[str, Any], *, status: str, num_ranks: i
         if time.monotonic() > t_end:
             statuses = read_statuses(status, num_ranks)
             late = [r for r in range(num_ranks) if r not in statuses] or list(range(num_ranks))
+            late = [r for r in late if read_phase(status, r) != AGREE_PHASE] or late  # who the waiters wait for
             raise WorkerError(f"SglPool RPC {method} missed its deadline of {deadline_s:.1f} s "
                               f"(PatRolloutConfig.rpc_deadline_s): {describe_failures(status, num_ranks)}; "
                               f"scheduler rank(s) {late} hung", late, unresponsive=True)

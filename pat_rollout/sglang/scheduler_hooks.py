@@ -55,7 +55,7 @@ def install() -> None:
     for name, fn in {**RPC_METHODS, **pool_switch.RPC_METHODS, **memory_spy.RPC_METHODS}.items():
         setattr(Scheduler, name, rank_rpc.reporting(fn))  # each rank writes how it ended (SglPool._rpc)
     pool_hooks.install()
-    debug_hooks.install()  # tests only: PAT_SGLANG_SAMPLED_LOG
+    debug_hooks.install()  # tests only: PAT_SGLANG_SAMPLED_LOG, PAT_SGLANG_STEP_LOG
     memory_spy.install()  # tests only: PAT_SGLANG_MEMORY_SPY
 
 

@@ -58,7 +58,7 @@ from sglang.srt.mem_cache.radix_cache import RadixCache
 from sglang.srt.managers.tp_worker import TpModelWorker
 from sglang.srt.model_executor.model_runner import ModelRunner
 # the last two: both versions' spellings of one need; each name deleted wherever in the MRO it is defined
-for cls, name in ((Scheduler, "process_input_requests"), (RadixCache, "reset"),
+for cls, name in ((Scheduler, "init_ipc_channels"), (RadixCache, "reset"),
                   (TpModelWorker, "init_attention_backends"), (ModelRunner, "init_attention_backend")):
     for k in cls.__mro__:
         if name in vars(k):
@@ -75,7 +75,7 @@ else:
     from importlib.metadata import version
 
     assert "3 SGLang name(s) it uses moved or are missing" in msg and f"installed sglang {version('sglang')}" in msg
-    assert "[sglang.srt.managers.scheduler:Scheduler.process_input_requests]  (used by pool_hooks._install_routing" in msg
+    assert "[sglang.srt.managers.scheduler:Scheduler.init_ipc_channels]  (used by pool_hooks._install_output_path" in msg
     assert "[sglang.srt.mem_cache.radix_cache:RadixCache.reset]" in msg
     assert ("[sglang.srt.managers.tp_worker:TpModelWorker.init_attention_backends] or "
             "[sglang.srt.model_executor.model_runner:ModelRunner.init_attention_backend]  (used by "
