@@ -72,6 +72,9 @@ def test_long_prefill_on_one_replica_does_not_stall_the_other(tmp_path, monkeypa
            f"{gap_before * 1e3:.1f} ms, {len(inside)} decode steps started inside, max gap "
            f"{max(gaps) * 1e3:.1f} ms")
     print(msg)
-    assert t1 - t0 >= 10 * gap_before, "the prefill is too short to tell independent replicas from lockstep: " + msg
-    assert len(inside) >= (t1 - t0) / gap_before / 4, msg  # lockstep: at most one
-    assert max(gaps) <= max(10 * gap_before, 0.25 * (t1 - t0)), msg
+    assert t1 - t0 >= 20 * gap_before, "the prefill is too short to tell independent replicas from lockstep: " + msg
+    # Lockstep would start at most one decode step inside the prefill and leave a gap of the whole prefill. The
+    # bounds are 10 x loose: on a 2-core machine the prefill's threads share the cores with replica 1 (seen: 5 x
+    # slower decode steps during the prefill, 29 started in 1.37 s).
+    assert len(inside) >= (t1 - t0) / gap_before / 10, msg
+    assert max(gaps) <= 10 * gap_before, msg
