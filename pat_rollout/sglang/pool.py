@@ -100,6 +100,10 @@ def pool_engine_args(config: PatRolloutConfig, **overrides: Any) -> dict[str, An
                               max_running_requests=config.max_num_seqs, custom_sigquit_handler=child_failed,
                               **compat.prefill_graph_off_args())
     kw.update(overrides)
+    if kw.get("sleep_on_idle"):
+        raise ValueError("SglPool: sleep_on_idle is not supported: a replica leader other than rank 0 reads its "
+                         "requests from its own socket (replica_input), which SGLang's idle sleeper does not watch, so "
+                         "it would see them only when its 1 s sleep ends")
     return kw
 
 
