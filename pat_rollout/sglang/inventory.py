@@ -84,6 +84,7 @@ STATIC: tuple[Need, ...] = (
     # Scheduler: pat_* RPCs are set on it; methods patched
     _n("scheduler_hooks.install: pat_* RPC methods", f"{SCHED}:Scheduler"),
     _n("pool_hooks._install_output_path (patched)", f"{SCHED}:Scheduler.init_ipc_channels"),
+    _n("pool_hooks._install_routing (patched; the default input path)", f"{SCHED}:Scheduler.process_input_requests"),
     _n("compat.install_replica_input (patched: per-replica input; 0.5.12: the whole method)",
        f"{RR}._pull_raw_reqs + {RR}._broadcast_reqs_across_ranks",
        f"{SCHED}:Scheduler.recv_requests + {SCHED}:Scheduler.recv_limit_reached"),

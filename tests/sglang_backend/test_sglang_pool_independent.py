@@ -20,6 +20,7 @@ pytest.importorskip("sglang.srt")
 
 from pat_rollout.config import PatRolloutConfig  # noqa: E402
 from pat_rollout.sglang.debug_hooks import STEP_LOG_ENV, read_step_logs  # noqa: E402
+from pat_rollout.sglang.pool_hooks import REPLICA_INPUT_ENV  # noqa: E402
 from pat_rollout.types import Request, SamplingParams  # noqa: E402
 
 pytestmark = [pytest.mark.sglang, pytest.mark.slow]
@@ -39,6 +40,7 @@ def test_long_prefill_on_one_replica_does_not_stall_the_other(tmp_path, monkeypa
     log_dir = tmp_path / "steps"
     log_dir.mkdir()
     monkeypatch.setenv(STEP_LOG_ENV, str(log_dir))  # inherited by the scheduler processes
+    monkeypatch.setenv(REPLICA_INPUT_ENV, "1")  # opt-in for now (pool_hooks)
     path = str(make_tiny_model(tmp_path / "wide", "llama", **WIDE))
     cfg = PatRolloutConfig(model_path=path, num_devices=2, backend="sglang", initial_tp=1, candidate_tps=(1, 2),
                            policy="manual", dtype="float32",
