@@ -19,31 +19,31 @@ TWO_TP1 = ((0,), (1,))
 TWO_TP2 = ((0, 1), (2, 3))
 
 
-def _generate(rid: str):
-    """A TokenizedGenerateReqInput with only its rid set (0.5.23: a msgspec Struct; 0.5.12: a dataclass)."""
-    from sglang.srt.managers.io_struct import TokenizedGenerateReqInput as T
-
+def _request(cls, **fields):
+    """An SGLang request object with only `fields` set (0.5.23: a msgspec Struct, the other required fields None;
+    0.5.12: a dataclass built without __init__)."""
     try:
         import msgspec
 
-        return T(**{f.name: None for f in msgspec.structs.fields(T) if f.required and f.name != "rid"}, rid=rid)
+        rest = {f.name: None for f in msgspec.structs.fields(cls) if f.required and f.name not in fields}
+        return cls(**rest, **fields)
     except (ImportError, TypeError):
-        req = T.__new__(T)
-        req.rid = rid
+        req = cls.__new__(cls)
+        for k, v in fields.items():
+            setattr(req, k, v)
         return req
 
 
+def _generate(rid: str):
+    from sglang.srt.managers.io_struct import TokenizedGenerateReqInput
+
+    return _request(TokenizedGenerateReqInput, rid=rid)
+
+
 def _batch(reqs):
-    from sglang.srt.managers.io_struct import BatchTokenizedGenerateReqInput as B
+    from sglang.srt.managers.io_struct import BatchTokenizedGenerateReqInput
 
-    try:
-        import msgspec
-
-        return B(**{f.name: None for f in msgspec.structs.fields(B) if f.required and f.name != "batch"}, batch=reqs)
-    except (ImportError, TypeError):
-        b = B.__new__(B)
-        b.batch = reqs
-        return b
+    return _request(BatchTokenizedGenerateReqInput, batch=reqs)
 
 
 def _same(shares, expected) -> bool:
