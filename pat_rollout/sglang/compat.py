@@ -154,6 +154,31 @@ def _install_replica_input_0512(leader_share, replica_broadcast) -> None:
     Scheduler.recv_requests = recv_requests
 
 
+def reset_admission_state(scheduler) -> None:
+    """What SGLang resets when its running set changes or it goes idle, reset on every rank at a switch: the running
+    batch's `batch_is_full` (set when admission failed for lack of room; only a later admission, a shrinking decode
+    batch or a decode step that empties it clears it, not the `filter_batch` a switch's idle check runs) and the
+    new-token ratio admission estimates with (decayed per decode step; 0.5.23: a tracker, 0.5.12: an attribute).
+    The ranks of a new replica ran different loops before the switch; their admission must start equal, or one
+    rank runs a prefill the other does not and their forwards' collectives no longer pair (seen in CI: a hang
+    after a grow from a full TP1 replica, one rank in a prefill's all-reduce, the other in the input broadcast)."""
+    if scheduler.running_batch is not None:
+        scheduler.running_batch.batch_is_full = False
+    tracker = getattr(scheduler, "new_token_ratio_tracker", None)
+    if tracker is not None:
+        tracker.reset()
+    else:
+        scheduler.new_token_ratio = scheduler.init_new_token_ratio
+
+
+def admission_state(scheduler) -> dict:
+    """The scheduler state its admission reads besides the queues (`reset_admission_state` resets it)."""
+    tracker = getattr(scheduler, "new_token_ratio_tracker", None)
+    ratio = tracker.current if tracker is not None else scheduler.new_token_ratio
+    full = scheduler.running_batch is not None and bool(scheduler.running_batch.batch_is_full)
+    return dict(batch_is_full=full, new_token_ratio=float(ratio))
+
+
 # ---- build, attention, weights -------------------------------------------------------------------------------
 def build_methods() -> list[tuple[type, str]]:
     """The methods that build the model, KV pool and attention backend, each to run under the base layout's

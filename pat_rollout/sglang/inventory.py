@@ -91,6 +91,10 @@ STATIC: tuple[Need, ...] = (
     _n("replica_input.route", "sglang.srt.managers.io_struct:BatchTokenizedGenerateReqInput.batch + "
        "sglang.srt.managers.io_struct:RpcReqInput"),
     _n("replica_input.replica_broadcast", "sglang.srt.utils:broadcast_pyobj"),
+    _n("compat.reset_admission_state (0.5.12: Scheduler.new_token_ratio, set in __init__)",
+       "sglang.srt.managers.scheduler_components.new_token_ratio_tracker:NewTokenRatioTracker.reset",
+       f"{SCHED}:Scheduler.on_idle"),
+    _n("compat.reset_admission_state", "sglang.srt.managers.schedule_batch:ScheduleBatch.batch_is_full"),
     _n("replica_input.open_sockets", "sglang.srt.server_args:PortArgs.scheduler_input_ipc_name"),
     _n("compat.build_methods (patched: built under the base layout)",
        f"{SCHED}:Scheduler.init_memory_pools + {SCHED}:Scheduler.init_tp_model_worker + "

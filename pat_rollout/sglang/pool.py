@@ -168,7 +168,8 @@ class SglPool(Pool):
         if "path" in kw:
             kw["path"] = status
         ok, message = rank_rpc.call(self.client.sgl, method, kw, status=status, num_ranks=self.num_devices,
-                                    deadline_s=self.config.rpc_deadline_s(work_tokens), check_alive=self._check_alive)
+                                    deadline_s=self.config.rpc_deadline_s(work_tokens), check_alive=self._check_alive,
+                                    on_deadline=self._dump_stacks)
         statuses = rank_rpc.read_statuses(status, self.num_devices)
         failed = [r for r in range(self.num_devices) if not statuses.get(r, {"ok": False})["ok"]]
         if failed:
@@ -194,6 +195,19 @@ class SglPool(Pool):
         if dead:
             raise WorkerError(f"SglPool {what}: the scheduler process of rank(s) {dead} died "
                               f"(pids {[self.pids[r] for r in dead]})", dead, unresponsive=True)
+
+    def _dump_stacks(self) -> None:
+        """Every live scheduler writes all its threads' stacks to its stderr (`scheduler_hooks.STACK_DUMP_SIGNAL`):
+        where each rank waits is what tells a hang's cause (e.g. one rank in a forward's all-reduce, another in
+        the request broadcast: their admission diverged)."""
+        from pat_rollout.sglang.scheduler_hooks import STACK_DUMP_SIGNAL
+
+        for pid in self.pids.values():
+            try:
+                os.kill(pid, STACK_DUMP_SIGNAL)
+            except ProcessLookupError:
+                pass
+        time.sleep(1.0)  # let them write before the error (and a shutdown) follows
 
     def _engine_timeout(self, e: Exception, what: str, ranks: Iterable[int]) -> WorkerError:
         ranks = sorted(ranks) or list(range(self.num_devices))

@@ -112,6 +112,7 @@ def _check_idle(self) -> None:
 
 
 def _flush(self) -> None:
+    compat.reset_admission_state(self)  # the ranks of a new replica must admit alike
     self.last_batch = None
     self.cur_batch_for_debug = None
     self.tree_cache.reset()
@@ -367,7 +368,7 @@ def pat_pool_info(self, path: str) -> None:
                                group_ids={str(tp): id(c) for tp, c in st.coordinators.items()},
                                params={n: list(p.shape) for n, p in self.tp_worker.model_runner.model.named_parameters()},
                                num_running=len(self.running_batch.reqs) if self.running_batch is not None else 0,
-                               num_waiting=len(self.waiting_queue)))
+                               num_waiting=len(self.waiting_queue), admission=compat.admission_state(self)))
 
 
 def _write(path: str, rank: int, obj: dict) -> None:

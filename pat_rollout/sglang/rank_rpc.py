@@ -108,9 +108,11 @@ def describe_failures(status: str, num_ranks: int) -> str:
 
 
 def call(sgl: Any, method: str, kw: dict[str, Any], *, status: str, num_ranks: int, deadline_s: float,
-         check_alive: Callable[[str], None], poll_s: float = 0.2) -> tuple[bool, str]:
+         check_alive: Callable[[str], None], on_deadline: Callable[[], None] = lambda: None,
+         poll_s: float = 0.2) -> tuple[bool, str]:
     """Send `method(**kw)` to every scheduler on `sgl`'s RPC socket and wait for rank 0's reply (SGLang's own
-    reply comes after every rank ran it and passed a CPU barrier). Returns (success, rank 0's message)."""
+    reply comes after every rank ran it and passed a CPU barrier). Returns (success, rank 0's message).
+    `on_deadline` runs once the deadline passed, before the WorkerError (the pool asks for stack dumps)."""
     from sglang.srt.managers.io_struct import RpcReqInput, RpcReqOutput
 
     from pat_rollout.sglang import compat
@@ -124,6 +126,7 @@ def call(sgl: Any, method: str, kw: dict[str, Any], *, status: str, num_ranks: i
             statuses = read_statuses(status, num_ranks)
             late = [r for r in range(num_ranks) if r not in statuses] or list(range(num_ranks))
             late = [r for r in late if read_phase(status, r) != AGREE_PHASE] or late  # who the waiters wait for
+            on_deadline()
             raise WorkerError(f"SglPool RPC {method} missed its deadline of {deadline_s:.1f} s "
                               f"(PatRolloutConfig.rpc_deadline_s): {describe_failures(status, num_ranks)}; "
                               f"scheduler rank(s) {late} hung", late, unresponsive=True)

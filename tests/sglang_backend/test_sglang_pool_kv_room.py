@@ -66,13 +66,20 @@ def test_tp2_replica_admits_what_a_tp1_replica_queued(tiny_models, hf_reference)
                           "2 running + 2 waiting on rank 0")
         assert info[1]["num_running"] == info[1]["num_waiting"] == 0
         pool.client.loop.run_until_complete(asyncio.sleep(0.3))  # some decode steps later still only two fit
-        assert [(i["num_running"], i["num_waiting"]) for i in pool.info()] == [(2, 2), (0, 0)]
+        full = pool.info()
+        assert [(i["num_running"], i["num_waiting"]) for i in full] == [(2, 2), (0, 0)]
+        # rank 0 failed to admit: its running batch is marked full, its new-token ratio decayed; rank 1 is idle
+        assert full[0]["admission"]["batch_is_full"] and not full[1]["admission"]["batch_is_full"]
+        assert full[0]["admission"]["new_token_ratio"] < full[1]["admission"]["new_token_ratio"]
 
         pool.reconfigure(2, dict(pool._replica))
         grown = pool.info()
         # the same storage, viewed for one KV head per rank: twice the slots (SGLang keeps one padding slot)
         assert [i["kv_storage"] for i in grown] == storage
         assert [i["kv_heads"] for i in grown] == [1, 1]
+        # the two ranks of the new replica admit alike (a stale `batch_is_full` on rank 0 hung CI: rank 1 ran a
+        # prefill rank 0 did not)
+        assert grown[0]["admission"] == grown[1]["admission"]
         per_token = spec.kv_bytes_per_token(1, 4)  # every KV head, float32
         expect = tokens_in_room((KV_TOKENS + 1) * per_token, kv_bytes_per_token=per_token,  # + 1 padding slot
                                 num_kv_heads=spec.num_kv_heads, tp=2) - 1
