@@ -70,7 +70,8 @@ def pool_layouts(config: PatRolloutConfig) -> dict[int, Layout]:
     return {tp: Layout.uniform(config.num_devices, tp) for tp in sorted(set(config.tp_sizes) | {config.initial_tp})}
 
 
-def launch_pool_engine(config: PatRolloutConfig, layouts: dict[int, Layout], device: str, **overrides: Any):
+def launch_pool_engine(config: PatRolloutConfig, layouts: dict[int, Layout], device: str, stack_dir: str = "",
+                       **overrides: Any):
     from pat_rollout.sglang.launch import engine_env, pat_engine_class, patched_environ, server_kwargs
     from pat_rollout.sglang.pool_hooks import POOL_ENV
 
@@ -78,7 +79,8 @@ def launch_pool_engine(config: PatRolloutConfig, layouts: dict[int, Layout], dev
     env["SGLANG_ENABLE_RANK_CONSENSUS_CHECKER"] = "0"  # ranks of different replicas diverge by design
     base = Layout.uniform(config.num_devices, config.initial_tp)
     env[POOL_ENV] = json.dumps({"base": [list(g) for g in base.groups],
-                                "layouts": {str(tp): [list(g) for g in lay.groups] for tp, lay in layouts.items()}})
+                                "layouts": {str(tp): [list(g) for g in lay.groups] for tp, lay in layouts.items()},
+                                "stack_dir": stack_dir})
     with patched_environ(env, unset=("SGLANG_CPU_OMP_THREADS_BIND",)):
         engine_cls = pat_engine_class()  # checks the inventory first: SGLang imports under the engine's env
         return engine_cls(**server_kwargs(config.model_path, tp_size=config.num_devices, device=device,
@@ -125,12 +127,16 @@ class SglPool(Pool):
         if self.device == "cpu" and args.pop("enable_memory_saver", False):
             logger.info("SglPool on CPU: enable_memory_saver dropped (SGLang's memory saver needs CUDA)")
         self.memory_saver = bool(args.get("enable_memory_saver"))
+        self.workdir = tempfile.mkdtemp(prefix="pat-sglpool-")  # RPC status files, per-rank stack dumps
         t0 = time.perf_counter()
-        sgl = launch_pool_engine(config, self.layouts, self.device, **args)
+        try:
+            sgl = launch_pool_engine(config, self.layouts, self.device, stack_dir=self.workdir, **args)
+        except BaseException:
+            shutil.rmtree(self.workdir, ignore_errors=True)
+            raise
         self.client = SGLangEngine(config.model_path, tp_size=config.num_devices, sgl=sgl,
                                    eos_token_ids=spec.eos_token_ids)
         self.startup_s = time.perf_counter() - t0
-        self.workdir = tempfile.mkdtemp(prefix="pat-sglpool-")
         self._replica: dict[str, int] = {}  # request id -> replica in the current layout
         self._calls = 0  # RPCs so far: each gets its own status files
         self._prefill_tokens = 0  # tokens submitted since the last step (its deadline covers their prefill)
@@ -197,17 +203,21 @@ class SglPool(Pool):
                               f"(pids {[self.pids[r] for r in dead]})", dead, unresponsive=True)
 
     def _dump_stacks(self) -> None:
-        """Every live scheduler writes all its threads' stacks to its stderr (`scheduler_hooks.STACK_DUMP_SIGNAL`):
-        where each rank waits is what tells a hang's cause (e.g. one rank in a forward's all-reduce, another in
-        the request broadcast: their admission diverged)."""
-        from pat_rollout.sglang.scheduler_hooks import STACK_DUMP_SIGNAL
+        """Log every live scheduler's stacks (all threads; `pool_hooks.STACK_DUMP_SIGNAL`, each rank writes its own
+        file): where each rank waits is what tells a hang's cause (e.g. one rank in a forward's all-reduce, another
+        in the request broadcast: their admission diverged)."""
+        from pat_rollout.sglang.pool_hooks import STACK_DUMP_SIGNAL, stack_dump_path
 
         for pid in self.pids.values():
             try:
                 os.kill(pid, STACK_DUMP_SIGNAL)
             except ProcessLookupError:
                 pass
-        time.sleep(1.0)  # let them write before the error (and a shutdown) follows
+        time.sleep(1.0)  # faulthandler writes from the signal handler: give them a moment
+        for rank, pid in sorted(self.pids.items()):
+            path = Path(stack_dump_path(self.workdir, pid))
+            text = path.read_text() if path.exists() else "(no dump)"
+            logger.error("SglPool scheduler rank %d (pid %d) stacks:\n%s", rank, pid, text)
 
     def _engine_timeout(self, e: Exception, what: str, ranks: Iterable[int]) -> WorkerError:
         ranks = sorted(ranks) or list(range(self.num_devices))

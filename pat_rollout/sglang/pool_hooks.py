@@ -22,8 +22,10 @@ broadcast; with per-replica input they meet only in the RPCs and control request
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import json
 import os
+import signal
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -202,10 +204,28 @@ def install() -> bool:
     # Which WORLD rank this process is: set by SGLang before the scheduler runs, read lazily.
     STATE = PoolState(rank=-1, world=world, base=base, groups=base, layouts=layouts,
                       per_replica_input=os.environ.get(REPLICA_INPUT_ENV) == "1")
+    if cfg.get("stack_dir"):
+        _register_stack_dump(cfg["stack_dir"])
     _install_output_path()
     _install_input_path()
     _install_build_and_forward()
     return True
+
+
+STACK_DUMP_SIGNAL = signal.SIGUSR1  # SglPool sends it to every scheduler when an RPC misses its deadline
+_stack_file = None  # kept open for faulthandler
+
+
+def stack_dump_path(stack_dir: str, pid: int) -> str:
+    return os.path.join(stack_dir, f"stacks.{pid}.txt")
+
+
+def _register_stack_dump(stack_dir: str) -> None:
+    """On `STACK_DUMP_SIGNAL` faulthandler writes every thread's stack to this process's own file (one file per
+    rank: dumps of several ranks on one stderr interleave) and the process goes on."""
+    global _stack_file
+    _stack_file = open(stack_dump_path(stack_dir, os.getpid()), "w")
+    faulthandler.register(STACK_DUMP_SIGNAL, file=_stack_file, all_threads=True)
 
 
 def set_rank(rank: int) -> None:

@@ -12,8 +12,6 @@ is imported by spawned children before SGLang's heavy imports).
 
 from __future__ import annotations
 
-import faulthandler
-import signal
 from typing import Any
 
 import torch
@@ -46,7 +44,6 @@ def pat_check_inventory(self, path: str) -> None:
 
 
 RPC_METHODS = {f.__name__: f for f in (pat_save_params, pat_check_inventory)}
-STACK_DUMP_SIGNAL = signal.SIGUSR1  # SglPool sends it to every scheduler when an RPC misses its deadline
 
 
 def install() -> None:
@@ -55,7 +52,6 @@ def install() -> None:
     from pat_rollout.sglang import debug_hooks, memory_spy, pool_hooks, pool_switch, rank_rpc
 
     compat.apply_cpu_workarounds()
-    faulthandler.register(STACK_DUMP_SIGNAL, all_threads=True)  # stacks to stderr, the process goes on
     for name, fn in {**RPC_METHODS, **pool_switch.RPC_METHODS, **memory_spy.RPC_METHODS}.items():
         setattr(Scheduler, name, rank_rpc.reporting(fn))  # each rank writes how it ended (SglPool._rpc)
     pool_hooks.install()

@@ -166,10 +166,10 @@ def test_after_the_failures_the_pool_switches_cleanly(pool, tiny_models, hf_refe
         assert list(outs[r.request_id].token_ids) == ref_ids, r.request_id
 
 
-def test_hung_rank_misses_the_rpc_deadline_and_breaks_the_pool(tiny_models):
+def test_hung_rank_misses_the_rpc_deadline_and_breaks_the_pool(tiny_models, capfd):
     """Rank 1 hangs in the reshard: the switch RPC gives up at rpc_deadline_s (here 2 + 20 s + tokens x 0.01 s:
-    room for a slow first forward on a loaded CPU), not when the hang ends (600 s); the pool is broken and says
-    so at once; shutdown completes."""
+    room for a slow first forward on a loaded CPU), not when the hang ends (600 s); the schedulers' stacks are in
+    the log (the hung rank's shows where it waits); the pool is broken and says so at once; shutdown completes."""
     from pat_rollout.driver import RolloutDriver
     from pat_rollout.driver.errors import PoolBrokenError
 
@@ -187,6 +187,13 @@ def test_hung_rank_misses_the_rpc_deadline_and_breaks_the_pool(tiny_models):
                                                   r"did not finish; scheduler rank\(s\) \[1\] hung"):
             bounded(lambda: driver.reconfigure(2), 120)
         elapsed = time.monotonic() - t0
+        # the pool's log (SGLang's handler writes it to stderr): one block per rank, up to the next log line
+        err = capfd.readouterr().err
+        dumps = {int(m[1]): m[2] for m in re.finditer(r"SglPool scheduler rank (\d) \(pid \d+\) stacks:\n(.*?)(?=\n\[|\Z)",
+                                                       err, re.S)}
+        assert sorted(dumps) == [0, 1], err[-2000:]
+        assert re.search(r"line \d+ in _maybe_fail", dumps[1]), dumps[1]  # rank 1 sleeps in the injected hang
+        assert "_maybe_fail" not in dumps[0] and "File" in dumps[0], dumps[0]  # rank 0 waits elsewhere
         # the deadline (22 s + the migrated tokens' allowance), not the 600 s hang; loose for a loaded machine
         assert cfg.rpc_deadline_s() <= elapsed < 120, elapsed
         print(f"hung rank: pool broken after {elapsed:.2f} s (deadline {cfg.rpc_deadline_s():.0f} s + tokens)")
