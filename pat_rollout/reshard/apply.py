@@ -45,7 +45,7 @@ def unshard(locals_: Sequence[torch.Tensor], spec: ShardSpec, tp_size: int) -> t
 
 
 def reshard_local(shards: dict[str, torch.Tensor], plan: WeightPlan, device: int, transport: Transport,
-                  *, release_memory: bool = True) -> dict[str, torch.Tensor]:
+                  *, release_memory: bool = True, keep_storage: bool = False) -> dict[str, torch.Tensor]:
     """Turn `device`'s shards under `plan.src` into its shards under `plan.dst`; returns name -> tensor.
 
     Every device of the plan must call this concurrently with its own transport endpoint. Parameters not
@@ -55,7 +55,14 @@ def reshard_local(shards: dict[str, torch.Tensor], plan: WeightPlan, device: int
     the whole storage; note that resize_ moves the bytes into a fresh smaller allocation (on CPU and
     CUDA alike), so peak extra memory is one new shard of one parameter. Other parameters get new tensors
     and the engine must rebind them.
+
+    With `keep_storage` every parameter stays the same tensor object at the same address (what a captured CUDA
+    graph needs): nothing is released, and a shard that is not a compaction of the old one (a shrink's receives)
+    is assembled in a temporary and copied into the old storage, which must be large enough (it is whenever the
+    storage once held a shard at least that large: the pool's base layout holds the largest).
     """
+    if keep_storage:
+        release_memory = False
     if transport.device != device:
         raise RuntimeError(f"transport is for device {transport.device}, reshard_local called for device {device}")
     _, old_rank = plan.src.position(device)
@@ -97,7 +104,26 @@ def reshard_local(shards: dict[str, torch.Tensor], plan: WeightPlan, device: int
         transport.run()
         for view, buf in pending:
             view.copy_(buf)
+        if keep_storage:
+            for name, new in list(out.items()):
+                old = shards[name]
+                if new is not old:
+                    out[name] = copy_into_storage(old, new, name)
     return out
+
+
+def copy_into_storage(old: torch.Tensor, new: torch.Tensor, name: str) -> torch.Tensor:
+    """`old`, re-viewed contiguously with `new`'s shape at its own storage offset, holding `new`'s values (which
+    may live on another device): the same tensor object at the same address."""
+    storage = old.untyped_storage()
+    need = (old.storage_offset() + new.numel()) * old.element_size()
+    if storage.nbytes() < need:
+        raise RuntimeError(f"{name}: keep_storage needs {need} bytes at its address, its storage has "
+                           f"{storage.nbytes()} (it never held a shard of shape {tuple(new.shape)})")
+    with torch.no_grad():
+        old.set_(storage, old.storage_offset(), tuple(new.shape), _contiguous_strides(tuple(new.shape)))
+        old.copy_(new)
+    return old
 
 
 def _can_compact(old: torch.Tensor, keeps: list[WeightTransfer]) -> bool:

@@ -50,6 +50,7 @@ class PoolState:
     groups: tuple[tuple[int, ...], ...]
     layouts: dict[int, tuple[tuple[int, ...], ...]]
     coordinators: dict[int, Any] = field(default_factory=dict)  # tp -> GroupCoordinator (tp != world)
+    models: dict[int, Any] = field(default_factory=dict)  # tp -> the module tree built for it (pool_switch._rebuild)
     backup: dict[str, torch.Tensor] | None = None  # host copy of the base layout's params (rollback)
     fail_next: tuple[str, int | None, float] | None = None  # tests: (phase, rank or None = all, hang_s)
     transport_group: Any = None  # pat_rollout's gloo group for KV / weight transfers (pool_switch._transport)

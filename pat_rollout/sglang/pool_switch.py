@@ -12,8 +12,10 @@ rank's tree still holds the KV of the requests its replica ran. `pat_switch` the
 2. KV hand-off: pat_rollout's `plan_kv` + `gather_kv` over the WORLD's device group: each new rank receives the
    KV heads it needs (`kv_heads_for_rank`) for the tokens its new replica will continue;
 3. flush SGLang's radix tree and KV pool (the exported pieces are copies by now);
-4. reshard the live parameters with `plan_weights` + `reshard_local` (grow: in place, zero bytes moved; shrink:
-   receives over the same group) and rebuild the module tree for the new layout around them;
+4. reshard the live parameters with `plan_weights` + `reshard_local(keep_storage=True)` (grow: in place, zero
+   bytes moved; shrink: receives over the same group, copied back into the parameter's own storage), so every
+   parameter keeps its object and address in every layout; use the module tree built for the new layout the first
+   time the pool entered it (or build it, `_rebuild`): what CUDA graphs captured per layout would need;
 5. view the same KV storage for the new head count and set SGLang's token limits (`kv_room`: a TPk replica
    holds k times a TP1 replica's tokens), then insert every received prefix into the radix tree;
 6. reseed every RNG SGLang's sampler draws from, the same on every rank of a replica (`_reseed`).
@@ -38,7 +40,7 @@ from pat_rollout.kv.plan import plan_kv
 from pat_rollout.layout.layout import Layout
 from pat_rollout.layout.shard import kv_heads_for_rank
 from pat_rollout.layout.transition import plan_weights
-from pat_rollout.reshard.apply import reshard_local
+from pat_rollout.reshard.apply import copy_into_storage, reshard_local
 from pat_rollout.sglang import compat, kv_room, pool_hooks, rank_rpc
 from pat_rollout.sglang.live_model import _hf_config_dict, rebuild_model_for_current_tp, sglang_specs
 from pat_rollout.types import ModelSpec
@@ -168,9 +170,20 @@ def _reseed(self) -> float:
 
 
 def _rebuild(self, params: dict[str, torch.Tensor] | None, tp: int) -> None:
+    """The module tree for TP `tp`: the one built the first time the pool entered it, when it still holds the very
+    parameter objects of the live model (switches keep them: `keep_storage`), else a new one (then kept). The same
+    modules, parameters and buffers at the same addresses each time: what a CUDA graph captured per layout needs."""
     runner = self.tp_worker.model_runner
+    st = pool_hooks.STATE
+    live = dict(runner.model.named_parameters())
+    live.update(params or {})
+    cached = st.models.get(tp)
+    if cached is not None and all(p is live.get(n) for n, p in cached.named_parameters()):
+        runner.model = cached
+        return
     with pool_hooks.tp_context(tp):
         runner.model = rebuild_model_for_current_tp(runner.model, params)
+    st.models[tp] = runner.model
 
 
 def _reinit_attention(self) -> None:
@@ -237,6 +250,7 @@ def _switch(self, state: dict[str, str], transport, dst_groups: list[list[int]],
     st = pool_hooks.STATE
     src, dst = Layout(st.groups), Layout(tuple(tuple(g) for g in dst_groups))
     rank, runner = st.rank, self.tp_worker.model_runner
+    st.models.setdefault(src.tp_size, runner.model)  # the first time: the model SGLang built, kept for the way back
     hf = _hf_config_dict(self)
     num_kv_heads = ModelSpec.from_hf_config(hf).num_kv_heads
     pool = _kv_pool(self)
@@ -290,8 +304,8 @@ def _switch(self, state: dict[str, str], transport, dst_groups: list[list[int]],
     # Every new shard (a shrink's receive buffers, a grow's compacted storage: resize_ reallocates) is
     # allocated inside the weights region, so verl's release_memory_occupation frees it like the loaded ones.
     with torch.no_grad(), compat.weights_region(self.server_args, runner):
-        new_params = reshard_local(sharded, wplan, rank, transport)
-    in_place = sum(1 for n in sharded if new_params[n] is named[n])
+        new_params = reshard_local(sharded, wplan, rank, transport, keep_storage=True)
+    in_place = sum(1 for n in sharded if new_params[n] is named[n])  # keep_storage: all (same objects, addresses)
     phase["reshard"] = time.perf_counter() - t
 
     t = time.perf_counter()
@@ -329,7 +343,10 @@ def pat_restore_base(self, path: str) -> None:
     _flush(self)
     base = Layout(st.base)
     with compat.weights_region(self.server_args, runner):  # what release frees (see pat_switch)
-        params = {n: t.to(next(runner.model.parameters()).device, copy=True) for n, t in st.backup.items()}
+        # Into the live parameters' own storages (switches keep every storage whole: `keep_storage`), so the base
+        # layout's parameters are back at the addresses they were loaded at.
+        live = dict(runner.model.named_parameters())
+        params = {n: copy_into_storage(live[n], t, n) for n, t in st.backup.items()}
         st.groups = base.groups
         _rebuild(self, params, base.tp_size)
     num_kv_heads = ModelSpec.from_hf_config(_hf_config_dict(self)).num_kv_heads
@@ -367,6 +384,8 @@ def pat_pool_info(self, path: str) -> None:
                                kv_limits=kv_room.limits(self),
                                group_ids={str(tp): id(c) for tp, c in st.coordinators.items()},
                                params={n: list(p.shape) for n, p in self.tp_worker.model_runner.model.named_parameters()},
+                               param_ptrs={n: p.data_ptr() for n, p in self.tp_worker.model_runner.model.named_parameters()},
+                               model_id=id(self.tp_worker.model_runner.model),
                                num_running=len(self.running_batch.reqs) if self.running_batch is not None else 0,
                                num_waiting=len(self.waiting_queue), admission=compat.admission_state(self)))
 

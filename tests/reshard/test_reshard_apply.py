@@ -147,3 +147,35 @@ def test_sglang_pool_layouts_chain_bit_exact() -> None:
             rank = layout.position(d)[1]
             for p, spec in specs.items():
                 assert torch.equal(shards[d][p], shard(full[p], spec, rank, tp)), (tp, p, d)
+
+
+def test_keep_storage_holds_every_address_through_grows_and_shrinks() -> None:
+    """With keep_storage (the SGLang pool's switches, for CUDA graphs per layout) every parameter stays the same
+    tensor object at the same data pointer through 1 -> 2 -> 4 -> 2 -> 1 -> 4 on 4 devices, bit-exact; a shrink
+    into a storage that never held the larger shard is refused by name."""
+    from pat_rollout.config import PatRolloutConfig
+    from pat_rollout.sglang.pool import pool_layouts
+
+    layouts = pool_layouts(PatRolloutConfig(model_path="unused", num_devices=4, backend="sglang",
+                                            candidate_tps=(1, 2, 4)))
+    specs = specs_for(CHAINS[0][0])
+    full = full_weights(specs)
+    layout = layouts[1]
+    shards = {d: local_shards(full, specs, layout, d) for d in layout.devices}
+    objects = {d: dict(s) for d, s in shards.items()}
+    ptrs = {d: {n: t.data_ptr() for n, t in s.items()} for d, s in shards.items()}
+    for tp in (2, 4, 2, 1, 4, 1):
+        dst = layouts[tp]
+        plan = plan_weights(layout, dst, specs)
+        shards = run_devices(layout.devices, lambda d, tr: reshard_local(shards[d], plan, d, tr, keep_storage=True))
+        layout = dst
+        for d in layout.devices:
+            rank = layout.position(d)[1]
+            for p, spec in specs.items():
+                assert torch.equal(shards[d][p], shard(full[p], spec, rank, tp)), (tp, p, d)
+                assert shards[d][p] is objects[d][p] and shards[d][p].data_ptr() == ptrs[d][p], (tp, p, d)
+
+    small = {d: local_shards(full, specs, layouts[2], d) for d in layouts[2].devices}  # loaded at TP2
+    plan = plan_weights(layouts[2], layouts[1], specs)
+    with pytest.raises(RuntimeError, match=r"keep_storage needs \d+ bytes at its address, its storage has \d+"):
+        run_devices(layouts[2].devices, lambda d, tr: reshard_local(small[d], plan, d, tr, keep_storage=True))
