@@ -8,15 +8,16 @@ Installed by `scheduler_hooks.run_scheduler_process` when `PAT_SGLANG_POOL` hold
 - build: model, KV pool and attention backend are built under the base layout's group
   (`patch_tensor_parallel_group`), so each rank of a 2xTP1 pool holds a TP=1 replica (full weights, all KV heads);
 - forward: every forward runs under the current layout's group;
-- input: WORLD rank 0 reads every request and broadcasts it to all ranks (SGLang's own path); each rank keeps
-  the generate requests whose rid names its replica. Opt-in (`PAT_SGLANG_PER_REPLICA_INPUT=1`): rank 0 routes
-  each request instead, a generate request to the leader of the replica its rid names, everything else to every
-  leader, and each leader broadcasts its share within its replica (`replica_input`);
+- input: WORLD rank 0 still reads every request, but routes it instead of broadcasting it over the WORLD: a
+  generate request to the leader of the replica its rid names, everything else to every leader; each leader
+  broadcasts its share within its replica (`replica_input`). `PAT_SGLANG_PER_REPLICA_INPUT=0` falls back to
+  SGLang's own broadcast to every rank (each rank keeps the generate requests whose rid names its replica), which
+  runs the replicas in lockstep;
 - output: the first rank of each replica sends its replica's outputs to the tokenizer manager (ranks other than 0
   get their own PUSH socket); control answers stay with WORLD rank 0 only.
 
-Ranks of different replicas run different batches; by default their event loops stay in step through rank 0's
-broadcast; with per-replica input they meet only in the RPCs and control requests every rank runs. Only stdlib/torch/pat_rollout at import time.
+Ranks of different replicas run different batches in event loops of their own; they meet only in the RPCs and
+control requests every rank runs (in the same order). Only stdlib/torch/pat_rollout at import time.
 """
 
 from __future__ import annotations
@@ -34,9 +35,8 @@ import torch
 from pat_rollout.sglang import compat, replica_input
 
 POOL_ENV = "PAT_SGLANG_POOL"
-# Opt-in (=1): per-replica input (`replica_input`). Off by default: CI saw the two ranks of a 1 x TP2 replica
-# diverge after a grow under SGLang 0.5.12 (one rank in a forward all-reduce, the other at the replica broadcast;
-# test_sglang_pool_kv_room, about 1 run in 3), cause not found yet. Off: SGLang's own broadcast over the whole pool.
+# Per-replica input (`replica_input`) unless "0": then SGLang's own broadcast over the whole pool (lockstep), kept
+# as a fallback; both paths are tested (test_sglang_pool_kv_room).
 REPLICA_INPUT_ENV = "PAT_SGLANG_PER_REPLICA_INPUT"
 
 
@@ -54,7 +54,7 @@ class PoolState:
     backup: dict[str, torch.Tensor] | None = None  # host copy of the base layout's params (rollback)
     fail_next: tuple[str, int | None, float] | None = None  # tests: (phase, rank or None = all, hang_s)
     transport_group: Any = None  # pat_rollout's gloo group for KV / weight transfers (pool_switch._transport)
-    per_replica_input: bool = False  # REPLICA_INPUT_ENV
+    per_replica_input: bool = True  # REPLICA_INPUT_ENV
     switches: int = 0  # pat_switch / pat_restore_base calls so far (every rank runs each): seeds the sampler RNG
 
     @property
@@ -137,7 +137,8 @@ def _install_output_path() -> None:
 
 
 def _install_routing() -> None:
-    """Default input path: SGLang's broadcast of every request to every rank; each rank keeps the generate requests
+    """Fallback input path (`PAT_SGLANG_PER_REPLICA_INPUT=0`): SGLang's broadcast of every request to every rank;
+    each rank keeps the generate requests
     whose rid names its replica (aborts and control requests reach every rank)."""
     from sglang.srt.managers.io_struct import TokenizedGenerateReqInput
     from sglang.srt.managers.scheduler import Scheduler
@@ -204,7 +205,7 @@ def install() -> bool:
     world = sum(len(g) for g in base)
     # Which WORLD rank this process is: set by SGLang before the scheduler runs, read lazily.
     STATE = PoolState(rank=-1, world=world, base=base, groups=base, layouts=layouts,
-                      per_replica_input=os.environ.get(REPLICA_INPUT_ENV) == "1")
+                      per_replica_input=os.environ.get(REPLICA_INPUT_ENV, "1") != "0")
     if cfg.get("stack_dir"):
         _register_stack_dump(cfg["stack_dir"])
     _install_output_path()

@@ -374,20 +374,22 @@ def pat_fail_next(self, phase: str | None, rank: int | None = None, hang_s: floa
 
 
 def pat_pool_info(self, path: str) -> None:
+    """This rank's layout, KV room and addresses, parameters and queues (tests and SglPool read it)."""
     import os
 
     st = pool_hooks.STATE
     pool = self.tp_worker.model_runner.token_to_kv_pool
-    _write(path, st.rank, dict(rank=st.rank, pid=os.getpid(), layout=[list(g) for g in st.groups],
-                               replica=st.replica, leader=st.is_leader, kv_heads=int(pool.head_num),
-                               kv_tokens=int(pool.size), kv_storage=kv_room.storage_ptrs(pool),
-                               kv_limits=kv_room.limits(self),
-                               group_ids={str(tp): id(c) for tp, c in st.coordinators.items()},
-                               params={n: list(p.shape) for n, p in self.tp_worker.model_runner.model.named_parameters()},
-                               param_ptrs={n: p.data_ptr() for n, p in self.tp_worker.model_runner.model.named_parameters()},
-                               model_id=id(self.tp_worker.model_runner.model),
-                               num_running=len(self.running_batch.reqs) if self.running_batch is not None else 0,
-                               num_waiting=len(self.waiting_queue), admission=compat.admission_state(self)))
+    model = self.tp_worker.model_runner.model
+    params = dict(model.named_parameters())
+    running = len(self.running_batch.reqs) if self.running_batch is not None else 0
+    _write(path, st.rank, dict(
+        rank=st.rank, pid=os.getpid(), layout=[list(g) for g in st.groups], replica=st.replica, leader=st.is_leader,
+        per_replica_input=st.per_replica_input, group_ids={str(tp): id(c) for tp, c in st.coordinators.items()},
+        kv_heads=int(pool.head_num), kv_tokens=int(pool.size), kv_storage=kv_room.storage_ptrs(pool),
+        kv_limits=kv_room.limits(self),
+        params={n: list(p.shape) for n, p in params.items()}, param_ptrs={n: p.data_ptr() for n, p in params.items()},
+        model_id=id(model), num_running=running, num_waiting=len(self.waiting_queue),
+        admission=compat.admission_state(self)))
 
 
 def _write(path: str, rank: int, obj: dict) -> None:

@@ -40,7 +40,7 @@ def test_long_prefill_on_one_replica_does_not_stall_the_other(tmp_path, monkeypa
     log_dir = tmp_path / "steps"
     log_dir.mkdir()
     monkeypatch.setenv(STEP_LOG_ENV, str(log_dir))  # inherited by the scheduler processes
-    monkeypatch.setenv(REPLICA_INPUT_ENV, "1")  # opt-in for now (pool_hooks)
+    monkeypatch.delenv(REPLICA_INPUT_ENV, raising=False)  # the default: per-replica input
     path = str(make_tiny_model(tmp_path / "wide", "llama", **WIDE))
     cfg = PatRolloutConfig(model_path=path, num_devices=2, backend="sglang", initial_tp=1, candidate_tps=(1, 2),
                            policy="manual", dtype="float32",

@@ -5,7 +5,8 @@ SGLang allocates its KV storage once, for the base layout (2 x TP1: every rank h
 of a TP1 replica (`planner.capacity.tokens_in_room`), and SGLang's scheduler admits against the new limits. With
 a KV budget that fits two of four requests, one TP1 replica runs two and queues two; after the switch the TP2
 replica runs all four at once, and the outputs equal HF greedy. Back in 2 x TP1 every limit is what it was.
-Overlap scheduling is on (the pool's default).
+Overlap scheduling is on (the pool's default). Run with both input paths: per-replica input (the default) and the
+lockstep fallback (SGLang's broadcast over the whole pool).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import pytest
 pytest.importorskip("sglang.srt")
 
 from pat_rollout.config import PatRolloutConfig  # noqa: E402
+from pat_rollout.sglang.pool_hooks import REPLICA_INPUT_ENV  # noqa: E402
 from pat_rollout.types import Request, SamplingParams  # noqa: E402
 
 pytestmark = [pytest.mark.sglang, pytest.mark.slow]
@@ -42,11 +44,13 @@ def _wait_info(pool, pred, what: str, timeout: float = 120.0) -> list[dict]:
 
 
 @pytest.mark.timeout(900)
-def test_tp2_replica_admits_what_a_tp1_replica_queued(tiny_models, hf_reference):
+@pytest.mark.parametrize("per_replica_input", ["1", "0"], ids=["per-replica-input", "lockstep"])
+def test_tp2_replica_admits_what_a_tp1_replica_queued(tiny_models, hf_reference, monkeypatch, per_replica_input):
     from pat_rollout.layout import Layout
     from pat_rollout.planner.capacity import tokens_in_room
     from pat_rollout.sglang.pool import SglPool, check_model
 
+    monkeypatch.setenv(REPLICA_INPUT_ENV, per_replica_input)  # inherited by the scheduler processes
     path = tiny_models["qwen3"]
     cfg = PatRolloutConfig(model_path=path, num_devices=2, backend="sglang", initial_tp=1, candidate_tps=(1, 2),
                            policy="manual", kv_handoff="recompute", dtype="float32",
@@ -56,6 +60,7 @@ def test_tp2_replica_admits_what_a_tp1_replica_queued(tiny_models, hf_reference)
     try:
         assert pool.client.sgl.server_args.disable_overlap_schedule is False
         base = pool.info()
+        assert [i["per_replica_input"] for i in base] == [per_replica_input == "1"] * 2  # the path under test
         assert [i["kv_tokens"] for i in base] == [KV_TOKENS] * 2 and pool.kv_tokens == KV_TOKENS
         storage = [i["kv_storage"] for i in base]
         sp = SamplingParams(max_new_tokens=MAX_NEW, ignore_eos=True)
