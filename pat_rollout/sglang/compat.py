@@ -233,6 +233,45 @@ def reinit_attention(tp_worker) -> None:
         tp_worker.model_runner.init_attention_backend()
 
 
+ATTENTION_ATTRS = ("attn_backend", "decode_attn_backend", "decode_attn_backend_group")  # 0.5.12: the first only
+
+
+def attention_state(runner) -> dict[str, Any]:
+    """The model runner's attention backend attributes (what `reinit_attention` sets), to keep per layout."""
+    return {a: getattr(runner, a) for a in ATTENTION_ATTRS if hasattr(runner, a)}
+
+
+def set_attention_state(runner, state: dict[str, Any]) -> None:
+    for a, v in state.items():
+        setattr(runner, a, v)
+    translator = getattr(runner, "kv_index_translator", None)  # 0.5.23 binds the backends it serves
+    if translator is not None:
+        translator.bind_and_verify_backends([runner.attn_backend, runner.decode_attn_backend])
+
+
+def _graph_attr(runner) -> str:
+    return "decode_cuda_graph_runner" if hasattr(runner, "init_decode_cuda_graph") else "graph_runner"  # 0.5.12
+
+
+def graph_runner(runner) -> Any:
+    """The model runner's decode graph runner (None where none was captured)."""
+    return getattr(runner, _graph_attr(runner), None)
+
+
+def set_graph_runner(runner, graphs: Any) -> None:
+    setattr(runner, _graph_attr(runner), graphs)
+
+
+def capture_decode_graphs(runner) -> Any:
+    """Capture decode graphs for the current group, model and attention backends; returns the new runner.
+    0.5.23: `init_decode_cuda_graph`; 0.5.12: `init_device_graphs` (decode graphs only there too)."""
+    if hasattr(runner, "init_decode_cuda_graph"):
+        runner.init_decode_cuda_graph()
+    else:
+        runner.init_device_graphs()
+    return graph_runner(runner)
+
+
 def weight_update_context(sgl) -> contextlib.AbstractContextManager:
     """0.5.23 brackets tensor weight updates with begin/end_weight_update; 0.5.12 has neither."""
     if not hasattr(sgl, "begin_weight_update"):

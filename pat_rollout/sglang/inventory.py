@@ -84,7 +84,7 @@ STATIC: tuple[Need, ...] = (
     # Scheduler: pat_* RPCs are set on it; methods patched
     _n("scheduler_hooks.install: pat_* RPC methods", f"{SCHED}:Scheduler"),
     _n("pool_hooks._install_output_path (patched)", f"{SCHED}:Scheduler.init_ipc_channels"),
-    _n("pool_hooks._install_routing (patched; the default input path)", f"{SCHED}:Scheduler.process_input_requests"),
+    _n("pool_hooks._install_routing (patched; the lockstep fallback input path)", f"{SCHED}:Scheduler.process_input_requests"),
     _n("compat.install_replica_input (patched: per-replica input; 0.5.12: the whole method)",
        f"{RR}._pull_raw_reqs + {RR}._broadcast_reqs_across_ranks",
        f"{SCHED}:Scheduler.recv_requests + {SCHED}:Scheduler.recv_limit_reached"),
@@ -104,6 +104,8 @@ STATIC: tuple[Need, ...] = (
        f"{WU}.update_weights_from_tensor + {ENG}.begin_weight_update + {ENG}.end_weight_update",
        f"{MR}.update_weights_from_tensor"),
     _n("compat.reinit_attention", f"{TPW}.init_attention_backends", f"{MR}.init_attention_backend"),
+    _n("compat.capture_decode_graphs, compat.graph_runner (layout_graphs)", f"{MR}.init_decode_cuda_graph",
+       f"{MR}.init_device_graphs"),
     # output path
     _n("compat.sender_wrapper_cls", "sglang.srt.managers.scheduler_components.output_sender:SenderWrapper.send_output",
        f"{SCHED}:SenderWrapper.send_output"),

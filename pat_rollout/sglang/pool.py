@@ -90,9 +90,10 @@ def launch_pool_engine(config: PatRolloutConfig, layouts: dict[int, Layout], dev
 def pool_engine_args(config: PatRolloutConfig, **overrides: Any) -> dict[str, Any]:
     """The ServerArgs an SglPool sets on top of `launch.server_kwargs` (`overrides`, e.g. engine_args, win).
     Overlap scheduling stays on (SGLang's default): a switch RPC first processes the batch still in flight
-    (`pool_switch._drain`, as SGLang's own pause does). No CUDA graphs, decode
-    or prefill (piecewise): they would capture the base layout's modules, which a switch replaces (recapture
-    per layout is future work). `max_running_requests` per rank, i.e. per replica, as verl's SGLang server
+    (`pool_switch._drain`, as SGLang's own pause does). Decode CUDA graphs are off
+    unless `engine_args={"disable_cuda_graph": False}` (a GPU; each layout then captures its own on first use,
+    `layout_graphs`; untested on a GPU); prefill (piecewise) graphs are always off: their runner keeps the base
+    layout's attention layers. `max_running_requests` per rank, i.e. per replica, as verl's SGLang server
     passes its `max_num_seqs`. A SIGQUIT from a failed scheduler must not kill the driver's process
     (`rank_rpc.child_failed`). Imports sglang: call with the engine's environment set."""
     from pat_rollout.sglang import compat
@@ -335,7 +336,7 @@ class SglPool(Pool):
             raise err from e
         self.layout = dst
         self.kv_tokens = min(r["kv_tokens"] for r in per_rank)
-        for phase in ("kv_handoff", "reshard", "switch"):
+        for phase in ("kv_handoff", "reshard", "switch", "capture"):  # capture: a layout's first decode graphs
             result.phase_s[phase] = max(r["phase_s"][phase] for r in per_rank)
         t = time.perf_counter()
         self._submit(states, new_assign)

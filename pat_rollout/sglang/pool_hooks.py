@@ -51,6 +51,7 @@ class PoolState:
     layouts: dict[int, tuple[tuple[int, ...], ...]]
     coordinators: dict[int, Any] = field(default_factory=dict)  # tp -> GroupCoordinator (tp != world)
     models: dict[int, Any] = field(default_factory=dict)  # tp -> the module tree built for it (pool_switch._rebuild)
+    graphs: dict[int, Any] = field(default_factory=dict)  # tp -> layout_graphs.LayoutGraphs (graphs on only)
     backup: dict[str, torch.Tensor] | None = None  # host copy of the base layout's params (rollback)
     fail_next: tuple[str, int | None, float] | None = None  # tests: (phase, rank or None = all, hang_s)
     transport_group: Any = None  # pat_rollout's gloo group for KV / weight transfers (pool_switch._transport)
@@ -93,12 +94,16 @@ def _build_groups(state: PoolState) -> None:
     if state.coordinators:
         return
     world = get_world_group()
+    backend = dist.get_backend(world.device_group)
+    # On GPUs (NCCL) the cached groups get the communicators SGLang's own TP group gets (pynccl, custom all-reduce:
+    # SGLang's defaults, None), which CUDA graph capture and replay use; untested on a GPU. Elsewhere none.
+    comm = None if backend == "nccl" else False
     for tp, groups in sorted(state.layouts.items()):
         if tp == state.world:
             continue
         state.coordinators[tp] = init_model_parallel_group(
-            [list(g) for g in groups], world.local_rank, dist.get_backend(world.device_group), use_pynccl=False,
-            use_custom_allreduce=False, group_name=f"pat_tp{tp}")
+            [list(g) for g in groups], world.local_rank, backend, use_pynccl=comm, use_custom_allreduce=comm,
+            group_name=f"pat_tp{tp}")
 
 
 class _LeaderSender:

@@ -41,7 +41,7 @@ from pat_rollout.layout.layout import Layout
 from pat_rollout.layout.shard import kv_heads_for_rank
 from pat_rollout.layout.transition import plan_weights
 from pat_rollout.reshard.apply import copy_into_storage, reshard_local
-from pat_rollout.sglang import compat, kv_room, pool_hooks, rank_rpc
+from pat_rollout.sglang import compat, kv_room, layout_graphs, pool_hooks, rank_rpc
 from pat_rollout.sglang.live_model import _hf_config_dict, rebuild_model_for_current_tp, sglang_specs
 from pat_rollout.types import ModelSpec
 
@@ -186,12 +186,6 @@ def _rebuild(self, params: dict[str, torch.Tensor] | None, tp: int) -> None:
     st.models[tp] = runner.model
 
 
-def _reinit_attention(self) -> None:
-    """Attention backends size their per-head state (e.g. FlashInfer wrappers) from the layout at build time."""
-    with pool_hooks.tp_context():
-        compat.reinit_attention(self.tp_worker)
-
-
 def pat_switch(self, dst_groups: list[list[int]], moves: list[list[Any]], path: str,
                transfer_timeout: list[float]) -> None:
     """Switch this rank to layout `dst_groups`. `moves`: [request_id, tokens, src_replica, dst_replica] of every
@@ -251,6 +245,7 @@ def _switch(self, state: dict[str, str], transport, dst_groups: list[list[int]],
     src, dst = Layout(st.groups), Layout(tuple(tuple(g) for g in dst_groups))
     rank, runner = st.rank, self.tp_worker.model_runner
     st.models.setdefault(src.tp_size, runner.model)  # the first time: the model SGLang built, kept for the way back
+    layout_graphs.remember(self, src.tp_size)  # and its attention backends and graphs
     hf = _hf_config_dict(self)
     num_kv_heads = ModelSpec.from_hf_config(hf).num_kv_heads
     pool = _kv_pool(self)
@@ -317,13 +312,13 @@ def _switch(self, state: dict[str, str], transport, dst_groups: list[list[int]],
     lo, hi = kv_heads_for_rank(num_kv_heads, dst.position(rank)[1], dst.tp_size)
     kv_tokens = kv_room.set_layout(self, num_kv_heads=num_kv_heads, tp=dst.tp_size, head_num=hi - lo)
     tokens = {m[0]: m[1] for m in moves}
-    _reinit_attention(self)
+    phase["capture"] = layout_graphs.enter(self, dst.tp_size)  # 0 unless the layout's graphs are captured now
     state["phase"] = "import"
     _maybe_fail("import")
     for rid, kv in incoming.items():
         _insert_prefix(self, pool, tokens[rid], kv)
     phase["reseed"] = _reseed(self)
-    phase["switch"] = time.perf_counter() - t
+    phase["switch"] = time.perf_counter() - t - phase["capture"]  # the capture is its own phase
     _write(path, rank, dict(phase_s=phase, cached_tokens=cached, params_in_place=in_place, params_total=len(sharded),
                             bytes_moved=sum(t.num_heads * t.num_tokens for t in plan.transfers if not t.is_local
                                             and t.dst_device == rank) * len(pool.k_buffer) * 2 * pool.head_dim
@@ -352,7 +347,7 @@ def pat_restore_base(self, path: str) -> None:
     num_kv_heads = ModelSpec.from_hf_config(_hf_config_dict(self)).num_kv_heads
     lo, hi = kv_heads_for_rank(num_kv_heads, base.position(st.rank)[1], base.tp_size)
     kv_tokens = kv_room.set_layout(self, num_kv_heads=num_kv_heads, tp=base.tp_size, head_num=hi - lo)
-    _reinit_attention(self)
+    layout_graphs.enter(self, base.tp_size)
     reseed_s = _reseed(self)  # a base replica of several ranks may have diverged in the layout left behind
     _write(path, st.rank, dict(layout=[list(g) for g in st.groups], reseed_s=reseed_s, kv_tokens=kv_tokens))
 
@@ -389,7 +384,9 @@ def pat_pool_info(self, path: str) -> None:
         kv_limits=kv_room.limits(self),
         params={n: list(p.shape) for n, p in params.items()}, param_ptrs={n: p.data_ptr() for n, p in params.items()},
         model_id=id(model), num_running=running, num_waiting=len(self.waiting_queue),
-        admission=compat.admission_state(self)))
+        admission=compat.admission_state(self), attention_id=id(self.tp_worker.model_runner.attn_backend),
+        graphs=dict(on=layout_graphs.enabled(self), current=layout_graphs.describe(compat.graph_runner(
+            self.tp_worker.model_runner)), layouts=sorted(st.graphs))))
 
 
 def _write(path: str, rank: int, obj: dict) -> None:

@@ -1,6 +1,6 @@
 """GPU check of the SGLang backend on a real model: greedy tokens equal HF transformers; with 2 GPUs, the PAT
-driver on an SglPool switches 2 x TP=1 -> 1 x TP=2 -> 2 x TP=1 mid-decode (KV migration, then recomputation)
-and its outputs equal an unswitched run.
+driver on an SglPool switches 2 x TP=1 -> 1 x TP=2 -> 2 x TP=1 -> 1 x TP=2 -> 2 x TP=1 mid-decode (KV migration or
+recomputation; eager, and with decode CUDA graphs per layout) and its outputs equal an unswitched run.
 
 Skipped without CUDA or sglang. Set PAT_SGLANG_GPU_MODEL to a local HF checkpoint (Llama or Qwen3), e.g.
   PAT_SGLANG_GPU_MODEL=/models/Qwen3-0.6B python -m pytest tests/gpu/test_sglang_gpu.py -q
@@ -80,8 +80,11 @@ def test_sglang_gpu_equals_hf_and_switch():
         a.shutdown()
 
 
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graphs-per-layout"])
 @pytest.mark.parametrize("handoff", ["migrate", "recompute"])
-def test_sglang_pool_gpu_switch_equals_unswitched(handoff):
+def test_sglang_pool_gpu_switch_equals_unswitched(handoff, graphs):
+    """Grow, shrink, grow again and shrink: with decode CUDA graphs on, each layout captures on its first entry and
+    replays its own graphs on re-entry (`layout_graphs`)."""
     if torch.cuda.device_count() < 2:
         pytest.skip("the pool switch needs 2 GPUs")
     import time
@@ -98,11 +101,12 @@ def test_sglang_pool_gpu_switch_equals_unswitched(handoff):
     finally:
         a.shutdown()
     cfg = PatRolloutConfig(model_path=MODEL, num_devices=2, backend="sglang", initial_tp=1, candidate_tps=(1, 2),
-                           policy="manual", kv_handoff=handoff, dtype=DTYPE, steps_per_poll=4)
+                           policy="manual", kv_handoff=handoff, dtype=DTYPE, steps_per_poll=4,
+                           engine_args={"disable_cuda_graph": not graphs})
     driver = RolloutDriver(cfg)
     try:
         futures = {r.request_id: driver.submit(r) for r in _requests(max_new)}
-        for tp, n in ((2, 16), (1, 128)):
+        for tp, n in ((2, 16), (1, 64), (2, 128), (1, 192)):
             while not all(rid in driver._progress and driver._progress[rid].num_output_tokens >= n for rid in futures):
                 time.sleep(0.005)
             driver.reconfigure(tp)
