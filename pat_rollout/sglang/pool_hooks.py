@@ -1,7 +1,8 @@
 """Scheduler-process side of `SglPool`: the N ranks of one SGLang engine serve as the replicas of a PAT layout.
 
 Installed by `scheduler_hooks.run_scheduler_process` when `PAT_SGLANG_POOL` holds the pool's JSON
-(`{"base": groups, "layouts": {tp: groups}}`, device ids = WORLD ranks). What changes in SGLang's scheduler:
+(`{"base": groups, "layouts": {tp: groups}, "stack_dir": dir}`, device ids = WORLD ranks; stack dumps
+on `STACK_DUMP_SIGNAL` go to `stack_dir`). What changes in SGLang's scheduler:
 
 - groups: one `GroupCoordinator` per layout whose TP is not the WORLD's, created once at start-up (a collective
   over the WORLD) and never destroyed; the WORLD-sized layout uses SGLang's own TP group;
