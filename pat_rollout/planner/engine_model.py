@@ -81,6 +81,35 @@ class EngineReq:
     order: int = 0  # admission order (newest preempted first by the reference engine)
 
 
+@dataclass(slots=True)
+class _DrainCarry:
+    """`_drain_chunks`' totals, kept for its next call. Valid while the key still holds (`_carried`): the running
+    list object, head of the queue, steps and KV use it left behind."""
+
+    live: list[EngineReq]  # the replica's running list when left (its identity is part of the key)
+    head: EngineReq | None
+    steps: int
+    used: int
+    # the chunk loop's state: see `_drain_chunks`
+    running: list[EngineReq]
+    heap: list[tuple[int, int]]
+    g0: list[int]
+    own0: list[int]
+    deficit: int
+    ctx: int
+    b: int
+    off: int
+    # SGLang's admission reserve (None without a head of queue on an SGLang scheduler)
+    clip: int | None
+    budget: list[int] | None
+    in_tail: list[bool] | None
+    tail_n: int | None
+    tail_sum: int | None
+    enter: list[tuple[int, int]] | None
+    head_budget: int | None
+    head_own: int | None
+
+
 class EngineReplica:
     """Replica of TP size `tp` holding `cap` KV tokens, stepped by `step` (decode_step_s / prefill_s) under the
     engine's rules `sched`, with clock `t` (seconds) and `steps` steps run."""
@@ -102,7 +131,7 @@ class EngineReplica:
         self.decode_tokens = 0  # tokens sampled by decode steps (batch summed over steps): a poll's mean batch
         self.finished: list[tuple[float, EngineReq]] = []
         self._order = 0
-        self._carry: tuple | None = None  # _drain_chunks' totals, carried to its next call (see _carried)
+        self._carry: _DrainCarry | None = None  # _drain_chunks' totals, carried to its next call (see _carried)
         self.slowdown = 1.0
         self._sharing = sched.prefix_sharing
         self._bs = sched.block_size
@@ -341,8 +370,10 @@ class EngineReplica:
         head = self.waiting[0] if self.waiting else None
         reserve = head is not None and sched.kind == "sglang"
         if self._carried():
-            (_, _, _, _, running, heap, g0, own0, deficit, ctx, b, off,
-             clip, budget, in_tail, tail_n, tail_sum, enter, head_budget, head_own) = self._carry
+            c = self._carry
+            running, heap, g0, own0, deficit, ctx, b, off = c.running, c.heap, c.g0, c.own0, c.deficit, c.ctx, c.b, c.off
+            clip, budget, in_tail, tail_n, tail_sum = c.clip, c.budget, c.in_tail, c.tail_n, c.tail_sum
+            enter, head_budget, head_own = c.enter, c.head_budget, c.head_own
         else:
             running = self.running
             heap = [(r.length - r.g, i) for i, r in enumerate(running)]
@@ -417,8 +448,10 @@ class EngineReplica:
                     r.g, r.alloc = g0[i] + off, own0[i] + off
                     kept.append(r)
             self.running = kept
-        self._carry = (self.running, head, self.steps, self.used, running, heap, g0, own0, deficit, ctx, b, off,
-                       clip, budget, in_tail, tail_n, tail_sum, enter, head_budget, head_own)
+        self._carry = _DrainCarry(live=self.running, head=head, steps=self.steps, used=self.used, running=running,
+                                  heap=heap, g0=g0, own0=own0, deficit=deficit, ctx=ctx, b=b, off=off, clip=clip,
+                                  budget=budget, in_tail=in_tail, tail_n=tail_n, tail_sum=tail_sum, enter=enter,
+                                  head_budget=head_budget, head_own=head_own)
         return done
 
     def _carried(self) -> bool:
@@ -426,12 +459,14 @@ class EngineReplica:
         changed since: the same running list, head of the queue, steps and KV use (`_admit` / `_release` drop
         them too)."""
         c = self._carry
-        return (c is not None and c[0] is self.running and c[1] is (self.waiting[0] if self.waiting else None)
-                and c[2] == self.steps and c[3] == self.used)
+        return (c is not None and c.live is self.running and c.head is (self.waiting[0] if self.waiting else None)
+                and c.steps == self.steps and c.used == self.used)
 
-    def drop_carry(self) -> None:
-        """Forget `_drain_chunks`' carried totals (a cache: before a copy, which need not carry them)."""
-        self._carry = None
+    def leave_carry_behind(self, memo: dict[int, object]) -> None:
+        """Make a `copy.deepcopy` through `memo` give the copy no `_drain_chunks` totals (a cache, rebuilt on need)
+        while this replica keeps its own."""
+        if self._carry is not None:
+            memo[id(self._carry)] = None
 
     def _admission_possible(self) -> bool:
         if not self.waiting or len(self.running) >= self.sched.max_num_seqs:

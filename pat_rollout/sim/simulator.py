@@ -428,7 +428,7 @@ class Sim:
         requests are copied field by field first (deepcopy's generic path for them dominated the oracles' time)."""
         memo: dict[int, Any] = {id(o): o for o in (self.hw, self.hw.step, self.hw.scheduler, self.handoff)}
         for rep in self.replicas:
-            rep.drop_carry()
+            rep.leave_carry_behind(memo)
             for r in (*rep.running, *rep.waiting, *(r for _, r in rep.finished)):
                 memo[id(r)] = SimReq(*_REQ_FIELDS(r))
         return copy.deepcopy(self, memo)
