@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from pat_rollout.driver.errors import WorkerError
 from pat_rollout.engine.base import Engine, EngineSnapshot, RunningInfo, StepResult
 from pat_rollout.sglang import compat, inventory
 from pat_rollout.sglang.launch import launch_engine
@@ -102,6 +103,12 @@ def sglang_sampling_params(sp: SamplingParams, max_new_tokens: int) -> dict[str,
     return out
 
 
+def _child_pids() -> set[int]:
+    import psutil
+
+    return {p.pid for p in psutil.Process().children(recursive=True)}
+
+
 class SGLangEngine(Engine):
     """A replica backed by `sglang.srt.entrypoints.engine.Engine` (token ids in/out, no tokenizer).
 
@@ -117,9 +124,12 @@ class SGLangEngine(Engine):
         self.tp_size = tp_size
         self.eos_token_ids = tuple(eos_token_ids)
         t0 = time.perf_counter()
+        before = _child_pids()
         self.sgl = sgl if sgl is not None else launch_engine(model_path, tp_size=tp_size, device=device,
                                                              **server_overrides)
         self.startup_s = time.perf_counter() - t0
+        # The processes this launch started (schedulers, detokenizer): checked in every bounded wait
+        self._children = sorted(_child_pids() - before) if sgl is None else []
         if moved := inventory.check_live(inventory.ENGINE, engine=self.sgl):
             self.sgl.shutdown()
             raise RuntimeError(inventory.error_message(moved, "checked on the started sglang.Engine"))
@@ -129,10 +139,25 @@ class SGLangEngine(Engine):
         # request id -> tokens SGLang found in its prefix cache, one entry per submission (a migrated request
         # continues on its cached KV: its later submissions show the migrated prefix here).
         self.cached_tokens: dict[str, list[int]] = {}
-        # Called in every slice of a bounded wait (`_run`); SglPool sets it to its dead-scheduler check.
-        self.watch: Callable[[str], None] | None = None
+        # Called in every slice of a bounded wait (`_run`): the dead-child check here, SglPool's per-rank one there.
+        self.watch: Callable[[str], None] | None = self._check_children if self._children else None
         info = self.sgl._scheduler_init_result.scheduler_infos[0]
         self.max_total_num_tokens = int(info["max_total_num_tokens"])
+
+    def _check_children(self, what: str) -> None:
+        """WorkerError(unresponsive) when a process this engine started is gone (its SIGQUIT is only logged:
+        `rank_rpc.child_failed`)."""
+        import psutil
+
+        dead = []
+        for pid in self._children:
+            try:
+                if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
+                    dead.append(pid)
+            except psutil.NoSuchProcess:
+                dead.append(pid)
+        if dead:
+            raise WorkerError(f"SGLang engine {what}: its child process(es) {dead} died", [0], unresponsive=True)
 
     # ---- submission ------------------------------------------------------------------------------
     def add_requests(self, requests: Iterable[Request], replica: int = 0) -> None:

@@ -66,7 +66,10 @@ def patched_environ(env: dict[str, str], unset: tuple[str, ...] = ()) -> Iterato
 def launch_engine(model_path: str, *, tp_size: int = 1, device: str = "cpu", **overrides: Any) -> SglEngine:
     """Start one SGLang Engine (scheduler processes spawned here). Call from under `if __name__ == "__main__"`
     in scripts: SGLang spawns, so the main module is re-imported by its children."""
+    from pat_rollout.sglang.rank_rpc import child_failed
+
     env = engine_env(tp_size, device)
+    overrides.setdefault("custom_sigquit_handler", child_failed)  # a failed child must not SIGKILL this process
     with patched_environ(env, unset=("SGLANG_CPU_OMP_THREADS_BIND",)):
         # pat_rollout's scheduler entry point: its RPC methods, and the CPU workarounds SGLang 0.5.12 needs
         return pat_engine_class()(**server_kwargs(model_path, tp_size=tp_size, device=device, **overrides))

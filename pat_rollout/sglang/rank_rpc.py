@@ -137,11 +137,13 @@ def call(sgl: Any, method: str, kw: dict[str, Any], *, status: str, num_ranks: i
 
 
 def child_failed(signum: int, frame: Any) -> None:
-    """`ServerArgs.custom_sigquit_handler` of an SglPool engine. SGLang's own handler kills this whole process
-    tree when a scheduler process fails (the child, or 0.5.23's subprocess watchdog, sends SIGQUIT): that would
-    take the driver (verl's rollout worker, a test) with it. The pool notices the dead scheduler itself
-    (`SglPool._check_alive`, in every bounded wait) and reports it as a broken pool instead."""
+    """`ServerArgs.custom_sigquit_handler` of every engine pat_rollout launches (SglPool's and a standalone
+    SGLangEngine's). SGLang's own handler SIGKILLs this whole process tree when a scheduler process fails (the
+    child, or 0.5.23's subprocess watchdog, sends SIGQUIT): that would take the driver (verl's rollout worker, a
+    test run) with it and lose the child's error. Here it is only logged: a failure during start-up raises from
+    SGLang's Engine (it reads the schedulers' start-up pipes), a later one is found by the dead-process check
+    in every bounded wait (`SglPool._check_alive`, `SGLangEngine` children check) and raised there."""
     import logging
 
-    logging.getLogger(__name__).error("SIGQUIT from an SGLang child process (a scheduler failed); the SglPool "
-                                      "reports it as broken at its next wait")
+    logging.getLogger(__name__).error("SIGQUIT from an SGLang child process (a scheduler failed); the engine "
+                                      "reports it at its next wait")
