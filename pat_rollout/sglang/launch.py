@@ -39,8 +39,13 @@ def server_kwargs(model_path: str, *, tp_size: int, device: str = "cpu", **overr
     kw: dict[str, Any] = dict(model_path=model_path, tp_size=tp_size, skip_tokenizer_init=True, random_seed=0,
                               skip_server_warmup=True, log_level="error", incremental_streaming_output=True)
     if device == "cpu":
+        from pat_rollout.sglang import compat
+
+        # every kind of graph off: 0.5.12 otherwise decides on piecewise prefill graphs by itself, and after some
+        # SGLang modules were imported in this process it tried them on CPU (torch.cpu has no graph pool)
         kw.update(device="cpu", attention_backend="torch_native", sampling_backend="pytorch",
-                  disable_cuda_graph=True, dtype="float32", max_total_tokens=4096, mem_fraction_static=0.5)
+                  disable_cuda_graph=True, dtype="float32", max_total_tokens=4096, mem_fraction_static=0.5,
+                  **compat.prefill_graph_off_args())
     kw.update(overrides)
     return kw
 
