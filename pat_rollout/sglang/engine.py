@@ -147,16 +147,9 @@ class SGLangEngine(Engine):
     def _check_children(self, what: str) -> None:
         """WorkerError(unresponsive) when a process this engine started is gone (its SIGQUIT is only logged:
         `rank_rpc.child_failed`)."""
-        import psutil
+        from pat_rollout.sglang.rank_rpc import is_gone
 
-        dead = []
-        for pid in self._children:
-            try:
-                if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
-                    dead.append(pid)
-            except psutil.NoSuchProcess:
-                dead.append(pid)
-        if dead:
+        if dead := [pid for pid in self._children if is_gone(pid)]:
             raise WorkerError(f"SGLang engine {what}: its child process(es) {dead} died", [0], unresponsive=True)
 
     # ---- submission ------------------------------------------------------------------------------

@@ -190,16 +190,9 @@ class SglPool(Pool):
 
     def _check_alive(self, what: str) -> None:
         """WorkerError(unresponsive) naming every scheduler rank whose process is gone (killed, crashed)."""
-        import psutil
+        from pat_rollout.sglang.rank_rpc import is_gone
 
-        dead = []
-        for rank, pid in sorted(self.pids.items()):
-            try:
-                if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
-                    dead.append(rank)
-            except psutil.NoSuchProcess:
-                dead.append(rank)
-        if dead:
+        if dead := [rank for rank, pid in sorted(self.pids.items()) if is_gone(pid)]:
             raise WorkerError(f"SglPool {what}: the scheduler process of rank(s) {dead} died "
                               f"(pids {[self.pids[r] for r in dead]})", dead, unresponsive=True)
 

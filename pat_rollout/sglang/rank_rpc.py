@@ -136,6 +136,17 @@ def call(sgl: Any, method: str, kw: dict[str, Any], *, status: str, num_ranks: i
     return bool(reply.success), str(reply.message)
 
 
+def is_gone(pid: int) -> bool:
+    """Whether process `pid` died (exited, killed, or a zombie not yet reaped): the dead-process checks of SglPool
+    and of a standalone SGLangEngine."""
+    import psutil
+
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
 def child_failed(signum: int, frame: Any) -> None:
     """`ServerArgs.custom_sigquit_handler` of every engine pat_rollout launches (SglPool's and a standalone
     SGLangEngine's). SGLang's own handler SIGKILLs this whole process tree when a scheduler process fails (the
