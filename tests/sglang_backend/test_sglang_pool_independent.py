@@ -4,7 +4,7 @@ stall another replica's decode.
 Rank 0 reads every request and routes it to its replica's leader (`replica_input`); only the ranks of one replica
 synchronise. In 2 x TP1, replica 1 decodes one long request while replica 0 prefills a long prompt. Every rank logs
 the start and end of each forward (`debug_hooks`, PAT_SGLANG_STEP_LOG): replica 1 keeps decoding during replica
-0's prefill, with gaps between its decode steps near its own decode time. In lockstep (SGLang's broadcast of every
+0's prefill, with no gap between its decode steps near the whole prefill. In lockstep (SGLang's broadcast of every
 request over the whole pool at the top of each iteration) replica 1 could start at most one decode step per
 iteration of replica 0, so none would start inside the prefill after the first.
 """
@@ -74,9 +74,10 @@ def test_long_prefill_on_one_replica_does_not_stall_the_other(tmp_path, monkeypa
            f"{gap_before * 1e3:.1f} ms, {len(inside)} decode steps started inside, max gap "
            f"{max(gaps) * 1e3:.1f} ms")
     print(msg)
-    assert t1 - t0 >= 20 * gap_before, "the prefill is too short to tell independent replicas from lockstep: " + msg
-    # Lockstep would start at most one decode step inside the prefill and leave a gap of the whole prefill. The
-    # bounds are 10 x loose: on a 2-core machine the prefill's threads share the cores with replica 1 (seen: 5 x
-    # slower decode steps during the prefill, 29 started in 1.37 s).
-    assert len(inside) >= (t1 - t0) / gap_before / 10, msg
-    assert max(gaps) <= 10 * gap_before, msg
+    assert t1 - t0 >= 10 * gap_before, "the prefill is too short to tell independent replicas from lockstep: " + msg
+    # What separates the two behaviours, whatever this machine's speed or load: in lockstep replica 1 starts at most
+    # one decode step inside the prefill, so some gap between [t0, inside..., t1] is at least half the prefill.
+    # Independent replicas keep decoding through it (seen: 15-29 steps started in a 1.0-1.4 s prefill, the longest
+    # gap 93 ms, on 2 shared cores). The bounds sit at that separation, not at a ratio of two measured times.
+    assert len(inside) >= 2, msg
+    assert max(gaps) < (t1 - t0) / 2, msg
