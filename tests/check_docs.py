@@ -6,7 +6,7 @@ Checked in README.md, docs/*.md and every *.md under pat_rollout/, examples/ and
   `pat_rollout/a/b.py`, or `pat_rollout/a/b/__main__.py` for a package. Files are looked up, nothing is imported
   (no torch, ray or sglang needed); a placeholder such as `pat_rollout.bench.<name>` is skipped;
 - every `make X` inside inline code or a fenced code block names a target of the Makefile;
-- every relative Markdown link `[text](path#anchor)` outside code resolves to a file or folder, and its anchor (if
+- every relative Markdown link or image `[text](path#anchor)` outside code resolves to a file or folder, and its anchor (if
   any, into a .md file) to a heading of that file, slugged as GitHub does.
 
 Pure stdlib, runs in well under a second: `python tests/check_docs.py [ROOT]`; exit 1 with one line per problem.
@@ -27,7 +27,7 @@ PY_MODULE = re.compile(r"\bpython3?\s+-m\s+(pat_rollout(?:\.[A-Za-z_]\w*)*)(\.?<
 MAKE = re.compile(r"(?:^|[\s;&|(`$])make\s+((?:[A-Za-z_][\w.-]*=\S*\s+)*)([A-Za-z][\w.-]*)")
 FENCE = re.compile(r"^\s*(```|~~~)")
 CODE_SPAN = re.compile(r"(`+)(.+?)\1")
-LINK = re.compile(r"(?<!!)\[(?:[^\]\[]|\[[^\]]*\])*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")
+LINK = re.compile(r"\[(?:[^\]\[]|\[[^\]]*\])*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")
 TARGET_LINE = re.compile(r"^([A-Za-z][\w.-]*(?:[ \t]+[A-Za-z][\w.-]*)*)[ \t]*:(?!=)")
 
 

@@ -70,6 +70,11 @@ def test_fails_on_a_broken_link(tmp_path: Path) -> None:
     assert check_docs.check(root) == ["README.md:9: link to docs/planner.md: docs/planner.md does not exist"]
 
 
+def test_fails_on_a_broken_image(tmp_path: Path) -> None:
+    root = make_repo(tmp_path, GOOD + "\n![layouts over time](docs/layouts.png)\n")
+    assert check_docs.check(root) == ["README.md:9: link to docs/layouts.png: docs/layouts.png does not exist"]
+
+
 def test_fails_on_a_broken_anchor(tmp_path: Path) -> None:
     root = make_repo(tmp_path, GOOD + "\nSee [options](docs/guide.md#options) and [here](#no-such-heading).\n")
     errors = check_docs.check(root)
