@@ -92,6 +92,7 @@ bench: $(STAMP)
 
 lint: $(STAMP)
 	$(PY) -m ruff check --line-length 120 --select E,F,W,I --ignore E501 pat_rollout tests
+	$(PY) tests/check_docs.py  # commands and links in README.md, docs/ and package READMEs exist
 
 check-size:
 	@python3 -c "import pathlib,sys; big=[(p,n) for p in pathlib.Path('pat_rollout').rglob('*.py') if (n:=len(p.read_text().splitlines()))>800]; print('\n'.join(f'{p}: {n} lines > 800' for p,n in big)); sys.exit(1 if big else 0)"
