@@ -1,11 +1,14 @@
 """verl's own trainer end to end on CPU: `python -m verl.trainer.main_ppo` with `rollout.name=pat`, launched by
 `examples/grpo_cpu/run.sh` as a user would (tiny random Llama, arithmetic parquet, rule-based reward, Ray actors
-as fake GPUs, pat_rollout's CPU platform for verl). Three runs of 2 steps cover, together:
+as fake GPUs, pat_rollout's CPU platform for verl). Two runs of 2 steps cover, together:
 
-- legacy trainer, GRPO, 2 actors;
 - v1 trainer (TransferQueue), PPO with a critic, reference policy + KL loss, 2 actors, wandb offline (the run's
   wandb files hold the PAT series; verl's legacy trainer never finishes its wandb run, see examples/README.md);
 - legacy trainer, GRPO, 4 actors (one pool, TP sizes 1, 2, 4).
+
+A third run, legacy GRPO on 2 actors (the example's default), ran here until December 2026 and was dropped to
+keep CI short: the 4-actor GRPO run takes the same trainer, algorithm and checks through the same code (plus TP4),
+and the 2-actor PPO run covers a 2-device pool. `bash examples/grpo_cpu/run.sh` still runs it by hand.
 
 Each asserts exit 0, steps 1-2 logged with finite losses, PAT reconfiguring inside every rollout stage
 (`pat/num_reconfigs >= 1`, the stage ending in a larger-TP layout), the weights loaded in the base layout, and
@@ -52,11 +55,6 @@ def check_run(run: Run, losses: tuple[str, ...], max_tp: int) -> None:
         assert m["training/rollout_probs_diff_valid"] == 1, where
         assert m["training/rollout_probs_diff_max"] < PROBS_DIFF_MAX, (where, m["training/rollout_probs_diff_max"])
         assert m["training/rollout_actor_probs_pearson_corr"] > PEARSON_MIN, where
-
-
-def test_grpo_legacy_2actors(tmp_path):
-    run = run_example(tmp_path, RUN_TIMEOUT_S, ALGO="grpo", TRAINER="legacy", NUM_ACTORS="2", STEPS=str(STEPS))
-    check_run(run, losses=("actor/pg_loss",), max_tp=2)
 
 
 def test_ppo_v1_critic_and_kl_2actors_wandb_offline(tmp_path):
