@@ -16,6 +16,7 @@ if TYPE_CHECKING:
 BACKEND_MODULES = {
     "reference": "pat_rollout.workers.backend",  # the plain-PyTorch engine on one Ray actor per device
     "sglang": "pat_rollout.sglang.backend",  # one SGLang engine whose scheduler ranks are the replicas
+    "vllm": "pat_rollout.vllm.backend",  # one vLLM engine per replica of the current layout (pat_rollout/vllm)
 }
 BACKENDS = tuple(BACKEND_MODULES)
 POLICIES = ("pat", "static", "manual")
