@@ -70,6 +70,13 @@ def replica_env(devices: tuple[int, ...], num_devices: int, device: str) -> dict
     return env
 
 
+def replica_seed(seed: int, switches: int, replica: int) -> int:
+    """The seed of replica `replica`'s engine after `switches` switches: vLLM seeds every worker of an engine
+    with it (`set_random_seed(model_config.seed)`), so the ranks of a replica sample alike (fresh engines, equal
+    RNG states), while replicas and layouts draw different random streams."""
+    return (seed * 1_000_003 + switches * 1_009 + replica) % (2**31 - 1)
+
+
 def engine_args(config: PatRolloutConfig, spec: ModelSpec, **overrides: Any) -> dict[str, Any]:
     """vLLM EngineArgs of every replica (TP set per replica): token ids in and out (no tokenizer), eager mode
     (per-layout CUDA graphs are the target design's, not this step's), the pool's seed, `max_num_seqs` per
@@ -118,7 +125,8 @@ class VllmPool(Pool):
                 if self.fail_at == "start" and r == len(layout.groups) - 1:
                     self.fail_at = None
                     raise RuntimeError(f"injected failure starting replica {r} of {layout}")
-                made.append(VllmReplica(r, group, self.args, replica_env(group, self.num_devices, self.device),
+                args = {**self.args, "seed": replica_seed(self.args["seed"], self.switches, r)}
+                made.append(VllmReplica(r, group, args, replica_env(group, self.num_devices, self.device),
                                         eos_token_ids=self.spec.eos_token_ids))
         except BaseException:
             for rep in made:

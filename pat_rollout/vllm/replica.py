@@ -179,8 +179,26 @@ class VllmReplica:
             self.engine.abort_request(ids)
         return [self.tracked.pop(r) for r in ids]
 
+    def engine_core_pid(self) -> int:
+        """The engine core's process id (vLLM's CoreEngineProcManager)."""
+        return self.engine.engine_core.resources.engine_manager.processes[0].pid
+
+    def rank_token_ids(self) -> list[dict[str, list[int]]]:
+        """Per TP rank of this replica (index = rank): every request in the worker's persistent batch and the
+        token ids (prompt + sampled) the worker holds for it. Ranks of one replica must agree: each samples on its
+        own and feeds its own ids to the next forward. Callables over collective_rpc need
+        VLLM_ALLOW_INSECURE_SERIALIZATION=1 in the engine's environment (tests)."""
+        return self.engine.collective_rpc(worker_token_ids)
+
     def shutdown(self) -> None:
         self.tracked.clear()
         engine, self.engine = getattr(self, "engine", None), None
         if engine is not None:
             engine.engine_core.shutdown()
+
+
+def worker_token_ids(worker: Any) -> dict[str, list[int]]:
+    """Runs inside a vLLM worker (`VllmReplica.rank_token_ids`): its input batch's token ids per request."""
+    batch = worker.model_runner.input_batch
+    return {rid: batch.token_ids_cpu[i, :int(batch.num_tokens_no_spec[i])].tolist()
+            for i, rid in enumerate(batch.req_ids) if rid is not None}

@@ -1,8 +1,15 @@
-"""VllmPool on real vLLM engines (tiny random Llama, CPU): 2 x TP1 and 1 x TP2 serve the HF greedy outputs, and a
-mid-decode switch 2 x TP1 -> 1 x TP2 -> 2 x TP1 (recomputation) ends with the tokens of an unswitched run, token
-for token, and log-probs close. One pool for the module (each engine start costs tens of seconds here)."""
+"""VllmPool on real vLLM engines (tiny random Llama, CPU): 2 x TP1 serves the HF greedy outputs; a mid-decode
+switch 2 x TP1 -> 1 x TP2 -> 2 x TP1 (recomputation) ends with the tokens of an unswitched run, token for token,
+log-probs close, while unseeded temperature-1 requests in the same batches hold equal token ids on both ranks of
+the TP2 replica; a switch whose engines fail to start rolls back to the base layout and loses nothing; a hung
+engine core misses its deadline as an unresponsive WorkerError naming its device. One pool for the module (each
+engine start costs tens of seconds here), the tests in file order."""
 
 from __future__ import annotations
+
+import os
+import signal
+import time
 
 import pytest
 
@@ -11,6 +18,7 @@ pytest.importorskip("vllm")
 from hf_reference import hf_greedy  # noqa: E402
 
 from pat_rollout.config import PatRolloutConfig  # noqa: E402
+from pat_rollout.driver.errors import ReconfigurationError, WorkerError  # noqa: E402
 from pat_rollout.layout import Layout  # noqa: E402
 from pat_rollout.types import Request, SamplingParams  # noqa: E402
 
@@ -25,7 +33,8 @@ def pool(vllm_model):
     from pat_rollout.driver.backends import get_backend
 
     config = PatRolloutConfig(model_path=vllm_model, num_devices=2, backend="vllm", initial_tp=1,
-                              candidate_tps=(1, 2), policy="manual", kv_handoff="recompute")
+                              candidate_tps=(1, 2), policy="manual", kv_handoff="recompute",
+                              comm_timeout_s=5.0, rpc_timeout_s=15.0)
     backend = get_backend("vllm")
     p = backend.build_pool(config, backend.model_spec(config), Layout.uniform(2, 1), cost=None,
                            num_cpus_per_worker=1)
@@ -76,11 +85,14 @@ def test_2xtp1_equals_hf(pool, unswitched, vllm_model):
 def test_switch_mid_decode_2xtp1_tp2_2xtp1_equals_unswitched(pool, unswitched):
     assert pool.layout == Layout.uniform(2, 1)
     reqs = _requests("s")
-    pool.add_requests(_split(reqs, 2))
+    hot = SamplingParams(max_new_tokens=MAX_NEW, temperature=1.0, ignore_eos=True)  # unseeded
+    sampled = [Request(request_id=f"t{i}", prompt_token_ids=(5 + i, 9, 11 + 2 * i), sampling=hot) for i in range(2)]
+    pool.add_requests(_split(reqs + sampled, 2))
     done = _run(pool, steps=4)
     assert not done
     seen = {rid: len(t.token_ids) for rep in pool.replicas for rid, t in rep.tracked.items()}
-    assert sorted(seen) == [r.request_id for r in reqs] and all(0 < n < MAX_NEW for n in seen.values()), seen
+    assert sorted(seen) == sorted(r.request_id for r in reqs + sampled), seen
+    assert all(0 < n < MAX_NEW for n in seen.values()), seen
 
     res = pool.reconfigure(2, {r.request_id: i % 2 for i, r in enumerate(reqs)})
     assert pool.layout == Layout.uniform(2, 2) and res.dst == pool.layout
@@ -88,15 +100,57 @@ def test_switch_mid_decode_2xtp1_tp2_2xtp1_equals_unswitched(pool, unswitched):
     assert [(i["device"], i["replica"], i["tp_rank"]) for i in pool.info()] == [(0, 0, 0), (1, 0, 1)]
     done.update(_run(pool, steps=4))
     mid = {rid: len(t.token_ids) for rep in pool.replicas for rid, t in rep.tracked.items()}
-    assert all(seen[rid] < n < MAX_NEW for rid, n in mid.items()), (seen, mid)  # TP2 decoded, not finished
+    assert sorted(mid) == sorted(seen) and all(seen[rid] < n < MAX_NEW for rid, n in mid.items()), (seen, mid)
+    rank0, rank1 = pool.replicas[0].rank_token_ids()  # the TP2 replica's two workers
+    assert len(rank0) == len(mid) and rank0 == rank1  # every request, sampled ones included: same ids on both
 
     res = pool.reconfigure(1, {rid: 0 for rid in mid})
     assert pool.layout == Layout.uniform(2, 1) and sorted(res.recomputed) == sorted(mid)
     assert set(res.assignment.values()) == {0, 1}
     done.update(_run(pool))
-    assert sorted(done) == sorted(r.request_id for r in reqs)
+    assert sorted(done) == sorted(r.request_id for r in reqs + sampled)
+    for r in sampled:
+        o = done.pop(r.request_id)
+        assert len(o.token_ids) == MAX_NEW and all(0 <= t < 250 for t in o.token_ids) and o.finish_reason == "length"
+        assert all(lp <= 0.0 for lp in o.log_probs) and len(o.log_probs) == MAX_NEW
     for rid, o in done.items():
         ref = unswitched[rid[1:]]
         assert o.token_ids == ref.token_ids, rid
         assert o.log_probs == pytest.approx(ref.log_probs, abs=LOGPROB_ATOL), rid
         assert o.finish_reason == "length"
+
+
+def test_failed_start_rolls_back_to_base_and_loses_nothing(pool, unswitched):
+    reqs = _requests("b")
+    pool.add_requests(_split(reqs, 2))
+    _run(pool, steps=3)
+    pool.fail_at = "start"  # the new layout's (only) engine fails to start
+    with pytest.raises(ReconfigurationError, match="phase start .*injected failure starting replica 0") as e:
+        pool.reconfigure(2, {r.request_id: i % 2 for i, r in enumerate(reqs)})
+    assert pool.layout == pool.base == Layout.uniform(2, 1) and len(pool.replicas) == 2
+    assert sorted(e.value.assignment) == sorted(r.request_id for r in reqs)
+    assert set(e.value.assignment.values()) == {0, 1}
+    done = _run(pool)
+    assert sorted(done) == sorted(r.request_id for r in reqs)
+    for rid, o in done.items():
+        assert o.token_ids == unswitched[rid[1:]].token_ids, rid
+        assert o.log_probs == pytest.approx(unswitched[rid[1:]].log_probs, abs=LOGPROB_ATOL), rid
+
+
+def test_hung_engine_core_misses_its_deadline(pool):
+    """SIGSTOP replica 1's engine core: the step waits at most rpc_deadline_s for an output, then names device 1."""
+    sp = SamplingParams(max_new_tokens=480, ignore_eos=True)  # far more steps than the core runs before the stop
+    pool.add_requests({1: [Request(request_id="h0", prompt_token_ids=(4, 8, 15, 16, 23, 42), sampling=sp)]})
+    pid = pool.replicas[1].engine_core_pid()
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(WorkerError, match="replica 1 on devices \\[1\\]: no engine-core output within") as e:
+            pool.step([1], 10_000)
+        waited = time.monotonic() - t0
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    assert e.value.unresponsive and e.value.devices == (1,)
+    assert waited >= pool.config.rpc_deadline_s(0)  # it waited the deadline (and then gave up)
+    outs = pool.abort_all()
+    assert [o.request_id for o in outs] == ["h0"] and outs[0].finish_reason == "abort"
