@@ -84,7 +84,8 @@ def engine_args(config: PatRolloutConfig, spec: ModelSpec, **overrides: Any) -> 
     SGLang's only for now (the config refuses it for other backends)."""
     kw: dict[str, Any] = dict(model=config.model_path, dtype=config.dtype, seed=config.seed, enforce_eager=True,
                               skip_tokenizer_init=True, max_num_seqs=config.max_num_seqs,
-                              max_model_len=spec.max_position_embeddings, distributed_executor_backend="mp")
+                              max_model_len=spec.max_position_embeddings, distributed_executor_backend="mp",
+                              worker_extension_cls="pat_rollout.vllm.worker_ext.PatWorkerExtension")
     kw.update(overrides)
     return kw
 
@@ -93,7 +94,9 @@ class VllmPool(Pool):
     """`config.num_devices` devices; one vLLM engine per replica of the current layout. Driver thread only."""
 
     reports_load = False  # snapshots are the pool's bookkeeping, not vLLM's scheduler state
-    weights_in_any_layout = False
+    # update_weights reloads the current layout's engines, and later switches start engines from the updated
+    # checkpoint, so any layout works
+    weights_in_any_layout = True
 
     def __init__(self, config: PatRolloutConfig, spec: ModelSpec, base: Layout, *, cost: HandoffCost | None = None,
                  device: str | None = None, **overrides: Any) -> None:
@@ -107,6 +110,8 @@ class VllmPool(Pool):
         self.replicas: list[Any] = []
         self.switches = 0
         self.fail_at: str | None = None  # test hook: "start" makes the next switch's engine start fail
+        self.pending: dict[str, Any] = {}  # HF name -> CPU tensor: updates not yet in the engines
+        self.weights_dir: str | None = None  # the pool's own checkpoint with every update so far (engines load it)
         t0 = time.perf_counter()
         self.replicas = self._start(base)
         self.startup_s = time.perf_counter() - t0
@@ -161,6 +166,7 @@ class VllmPool(Pool):
                              f"{self.kv_tokens} KV tokens of one replica")
 
     def add_requests(self, per_replica: dict[int, list[Request]]) -> None:
+        self._flush_weights()
         for r, reqs in per_replica.items():
             for q in reqs:
                 self.replicas[r].add(q)
@@ -168,6 +174,7 @@ class VllmPool(Pool):
     def step(self, replicas: Iterable[int], num_steps: int) -> dict[int, tuple[StepResult, EngineSnapshot]]:
         from pat_rollout.vllm.replica import EngineTimeout
 
+        self._flush_weights()
         out: dict[int, tuple[StepResult, EngineSnapshot]] = {}
         for r in replicas:
             rep = self.replicas[r]
@@ -208,6 +215,7 @@ class VllmPool(Pool):
     def reconfigure(self, dst_tp: int, assignment: dict[str, int]) -> ReconfigResult:
         t_start = time.perf_counter()
         src, dst = self.layout, self.layout_for(dst_tp)
+        self._flush_weights()  # the new engines start from the pool's checkpoint
         result = ReconfigResult(src=src, dst=dst)
         self.switches += 1
         t = time.perf_counter()
@@ -256,8 +264,56 @@ class VllmPool(Pool):
 
     # ---- weights, memory, info -------------------------------------------------------------------
     def update_weights(self, named_tensors: list[tuple[str, Any]]) -> None:
-        raise NotImplementedError("VllmPool.update_weights: not in this step (the target design loads through "
-                                  "vLLM's weight loaders in the base layout; see pat_rollout/vllm/README.md)")
+        """Full HF-named tensors (one bucket of an update), kept on the host until the pool next serves
+        (`_flush_weights`): vLLM's layerwise reload needs every tensor of a fused parameter (q, k, v of qkv_proj)
+        in one reload, and a bucket may hold only some of them. Any layout: the engines of whatever layout the
+        pool is in reload, and later switches start engines from the updated checkpoint."""
+        for name, t in named_tensors:
+            self.pending[name] = t.detach().to("cpu", copy=True)
+
+    def _flush_weights(self) -> None:
+        """Write the current checkpoint with the pending tensors in place of its own into a new folder of the
+        pool's (same files, same names), have every engine reload from it, and start later engines from it.
+        Costs a checkpoint write per update (this step's price; the target design loads in place)."""
+        if not self.pending:
+            return
+        import shutil
+        import tempfile
+
+        from safetensors.torch import load_file, save_file
+
+        src = Path(self.args["model"])
+        dst = Path(tempfile.mkdtemp(prefix="pat-vllm-weights-"))
+        left = dict(self.pending)
+        try:
+            for f in sorted(src.iterdir()):
+                if f.suffix != ".safetensors":
+                    if f.is_file():
+                        shutil.copy(f, dst / f.name)
+                    continue
+                tensors = load_file(str(f))
+                for name in tensors.keys() & left.keys():
+                    new = left.pop(name)
+                    if new.shape != tensors[name].shape:
+                        raise ValueError(f"update_weights: {name} has shape {tuple(new.shape)}, the checkpoint's "
+                                         f"is {tuple(tensors[name].shape)}")
+                    tensors[name] = new.to(tensors[name].dtype).contiguous()
+                save_file(tensors, str(dst / f.name), metadata={"format": "pt"})
+            if left:
+                raise ValueError(f"update_weights: {sorted(left)[:8]} are not in the checkpoint {src}")
+            for rep in self.replicas:
+                try:
+                    rep.reload_weights(str(dst), self.config.rpc_deadline_s())
+                except Exception as e:
+                    raise WorkerError(f"VllmPool update_weights on replica {rep.index} (devices "
+                                      f"{list(rep.devices)}): {e!r}", list(rep.devices), unresponsive=True) from e
+        except BaseException:
+            shutil.rmtree(dst, ignore_errors=True)
+            raise
+        old, self.weights_dir, self.args["model"] = self.weights_dir, str(dst), str(dst)
+        self.pending.clear()
+        if old:
+            shutil.rmtree(old, ignore_errors=True)
 
     def release(self, tags: list[str]) -> None:
         logger.debug("VllmPool.release(%s): not supported yet (vLLM sleep mode), kept", tags)
@@ -274,4 +330,10 @@ class VllmPool(Pool):
         return sorted(out, key=lambda i: i["device"])
 
     def shutdown(self) -> None:
-        self._stop()
+        import shutil
+
+        try:
+            self._stop()
+        finally:
+            if self.weights_dir:
+                shutil.rmtree(self.weights_dir, ignore_errors=True)

@@ -184,11 +184,21 @@ class VllmReplica:
         return self.engine.engine_core.resources.engine_manager.processes[0].pid
 
     def rank_token_ids(self) -> list[dict[str, list[int]]]:
-        """Per TP rank of this replica (index = rank): every request in the worker's persistent batch and the
-        token ids (prompt + sampled) the worker holds for it. Ranks of one replica must agree: each samples on its
-        own and feeds its own ids to the next forward. Callables over collective_rpc need
-        VLLM_ALLOW_INSECURE_SERIALIZATION=1 in the engine's environment (tests)."""
-        return self.engine.collective_rpc(worker_token_ids)
+        """Per TP rank of this replica (index = rank): its persistent batch's token ids per request
+        (`worker_ext.PatWorkerExtension.pat_token_ids`)."""
+        return self.engine.collective_rpc("pat_token_ids")
+
+    def reload_weights(self, weights_dir: str, timeout_s: float) -> None:
+        """Every rank reloads its shards in place from the checkpoint in `weights_dir` (vLLM's worker method
+        `reload_weights`: layerwise reload, the CPU repacking redone)."""
+        self.engine.collective_rpc("reload_weights", timeout=timeout_s,
+                                   kwargs={"weights_path": weights_dir, "is_checkpoint_format": True})
+
+    def params(self, names: list[str]) -> list[dict[str, Any]]:
+        """Per TP rank, its shards of the live parameters `names` (tests)."""
+        from pat_rollout.vllm.worker_ext import unpack_tensors
+
+        return [dict(unpack_tensors(p)) for p in self.engine.collective_rpc("pat_params", args=(names,))]
 
     def shutdown(self) -> None:
         self.tracked.clear()
@@ -196,9 +206,3 @@ class VllmReplica:
         if engine is not None:
             engine.engine_core.shutdown()
 
-
-def worker_token_ids(worker: Any) -> dict[str, list[int]]:
-    """Runs inside a vLLM worker (`VllmReplica.rank_token_ids`): its input batch's token ids per request."""
-    batch = worker.model_runner.input_batch
-    return {rid: batch.token_ids_cpu[i, :int(batch.num_tokens_no_spec[i])].tolist()
-            for i, rid in enumerate(batch.req_ids) if rid is not None}

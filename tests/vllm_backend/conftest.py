@@ -12,8 +12,6 @@ import pytest
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV per engine
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-# VllmReplica.rank_token_ids sends a callable to the workers over collective_rpc (cloudpickle).
-os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
 
 
 @pytest.fixture(scope="session")

@@ -1,9 +1,10 @@
 """VllmPool on real vLLM engines (tiny random Llama, CPU): 2 x TP1 serves the HF greedy outputs; a mid-decode
 switch 2 x TP1 -> 1 x TP2 -> 2 x TP1 (recomputation) ends with the tokens of an unswitched run, token for token,
 log-probs close, while unseeded temperature-1 requests in the same batches hold equal token ids on both ranks of
-the TP2 replica; a switch whose engines fail to start rolls back to the base layout and loses nothing; a hung
-engine core misses its deadline as an unresponsive WorkerError naming its device. One pool for the module (each
-engine start costs tens of seconds here), the tests in file order."""
+the TP2 replica; a hung engine core misses its deadline as an unresponsive WorkerError naming its device;
+weights loaded with update_weights serve, and a switch whose engine fails to start rolls back to the base layout
+(restarted engines, the update loaded again) and loses nothing. One pool for the module (each engine start
+costs tens of seconds here), the tests in file order."""
 
 from __future__ import annotations
 
@@ -120,23 +121,6 @@ def test_switch_mid_decode_2xtp1_tp2_2xtp1_equals_unswitched(pool, unswitched):
         assert o.finish_reason == "length"
 
 
-def test_failed_start_rolls_back_to_base_and_loses_nothing(pool, unswitched):
-    reqs = _requests("b")
-    pool.add_requests(_split(reqs, 2))
-    _run(pool, steps=3)
-    pool.fail_at = "start"  # the new layout's (only) engine fails to start
-    with pytest.raises(ReconfigurationError, match="phase start .*injected failure starting replica 0") as e:
-        pool.reconfigure(2, {r.request_id: i % 2 for i, r in enumerate(reqs)})
-    assert pool.layout == pool.base == Layout.uniform(2, 1) and len(pool.replicas) == 2
-    assert sorted(e.value.assignment) == sorted(r.request_id for r in reqs)
-    assert set(e.value.assignment.values()) == {0, 1}
-    done = _run(pool)
-    assert sorted(done) == sorted(r.request_id for r in reqs)
-    for rid, o in done.items():
-        assert o.token_ids == unswitched[rid[1:]].token_ids, rid
-        assert o.log_probs == pytest.approx(unswitched[rid[1:]].log_probs, abs=LOGPROB_ATOL), rid
-
-
 def test_hung_engine_core_misses_its_deadline(pool):
     """SIGSTOP replica 1's engine core: the step waits at most rpc_deadline_s for an output, then names device 1."""
     sp = SamplingParams(max_new_tokens=480, ignore_eos=True)  # far more steps than the core runs before the stop
@@ -154,3 +138,46 @@ def test_hung_engine_core_misses_its_deadline(pool):
     assert waited >= pool.config.rpc_deadline_s(0)  # it waited the deadline (and then gave up)
     outs = pool.abort_all()
     assert [o.request_id for o in outs] == ["h0"] and outs[0].finish_reason == "abort"
+
+
+
+def test_update_weights_then_failed_switch_rolls_back(pool, tmp_path_factory):
+    """Load another checkpoint's tensors (HF names, two buckets) into 2 x TP1: every rank holds them once the
+    pool serves. Then a switch whose engine fails to start rolls back to 2 x TP1 (fresh engines, started from the
+    updated checkpoint) and loses nothing: every request ends with the new weights' HF greedy output."""
+    from safetensors.torch import load_file
+
+    from pat_rollout.models import make_tiny_model
+
+    assert pool.layout == Layout.uniform(2, 1) and pool.weights_in_any_layout
+    other = make_tiny_model(tmp_path_factory.mktemp("models") / "llama32_seed1", "llama", seed=1, hidden_size=128,
+                            head_dim=32)
+    named = sorted(load_file(str(other / "model.safetensors")).items())
+    cut = [n for n, _ in named].index("model.layers.0.self_attn.q_proj.weight") + 1
+    pool.update_weights(named[:cut])  # q and k of layer 0 in one bucket, its v in the next (sorted names)
+    pool.update_weights(named[cut:])
+    new = dict(named)
+
+    def holds_update() -> bool:  # linear weights are repacked on CPU (their parameters are empty): norm, embedding
+        names = ["model.layers.1.input_layernorm.weight", "model.embed_tokens.weight"]
+        ranks = [rep.params(names)[0] for rep in pool.replicas]
+        return all(p[names[0]].equal(new[names[0]]) and p[names[1]][:250].equal(new[names[1]]) for p in ranks)
+
+    assert not holds_update()  # not yet: the update reaches the engines when the pool next serves
+    reqs = _requests("b")
+    pool.add_requests(_split(reqs, 2))
+    assert holds_update()
+    done = _run(pool, steps=3)
+    assert not done
+    pool.fail_at = "start"  # the new layout's (only) engine fails to start
+    with pytest.raises(ReconfigurationError, match="phase start .*injected failure starting replica 0") as e:
+        pool.reconfigure(2, {r.request_id: i % 2 for i, r in enumerate(reqs)})
+    assert pool.layout == pool.base == Layout.uniform(2, 1) and len(pool.replicas) == 2
+    assert sorted(e.value.assignment) == sorted(r.request_id for r in reqs)
+    assert set(e.value.assignment.values()) == {0, 1}
+    assert holds_update()  # the restarted engines hold the update, not the checkpoint
+    done = _run(pool)
+    assert sorted(done) == sorted(r.request_id for r in reqs)
+    for r, (ids, lps) in zip(reqs, hf_greedy(str(other), reqs)):
+        assert list(done[r.request_id].token_ids) == ids, r.request_id
+        assert done[r.request_id].log_probs == pytest.approx(lps, abs=LOGPROB_ATOL)
