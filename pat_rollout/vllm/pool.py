@@ -80,12 +80,13 @@ def replica_seed(seed: int, switches: int, replica: int) -> int:
 def engine_args(config: PatRolloutConfig, spec: ModelSpec, **overrides: Any) -> dict[str, Any]:
     """vLLM EngineArgs of every replica (TP set per replica): token ids in and out (no tokenizer), eager mode
     (per-layout CUDA graphs are the target design's, not this step's), the pool's seed, `max_num_seqs` per
-    replica; `overrides` (VllmPool's keyword arguments) override these. `PatRolloutConfig.engine_args` is
-    SGLang's only for now (the config refuses it for other backends)."""
+    replica; `config.engine_args` (any vLLM EngineArgs field, e.g. gpu_memory_utilization, max_model_len), then
+    `overrides` (VllmPool's keyword arguments), override these."""
     kw: dict[str, Any] = dict(model=config.model_path, dtype=config.dtype, seed=config.seed, enforce_eager=True,
                               skip_tokenizer_init=True, max_num_seqs=config.max_num_seqs,
                               max_model_len=spec.max_position_embeddings, distributed_executor_backend="mp",
                               worker_extension_cls="pat_rollout.vllm.worker_ext.PatWorkerExtension")
+    kw.update(config.engine_args)
     kw.update(overrides)
     return kw
 

@@ -59,6 +59,10 @@ class EngineTimeout(TimeoutError):
     """The engine core produced no output within the deadline."""
 
 
+class EngineGone(RuntimeError):
+    """The engine core process is no longer alive (killed, crashed, or ended by vLLM after a worker died)."""
+
+
 @contextlib.contextmanager
 def patched_environ(env: dict[str, str]) -> Iterator[None]:
     """`env` set in os.environ while vLLM spawns the engine core (it and its workers inherit it), then restored."""
@@ -162,10 +166,15 @@ class VllmReplica:
         return finished, decoded
 
     def _wait_output(self, deadline_s: float) -> None:
-        """Bounded wait: vLLM's `get_output` blocks on its queue without a timeout (SyncMPClient.get_output)."""
+        """Bounded wait: vLLM's `get_output` blocks on its queue without a timeout (SyncMPClient.get_output);
+        each slice also checks that the engine core process lives."""
         queue = self.engine.engine_core.outputs_queue
+        proc = self.engine.engine_core.resources.engine_manager.processes[0]
         end = time.monotonic() + deadline_s
         while queue.empty():
+            if not proc.is_alive():
+                raise EngineGone(f"vLLM replica {self.index} on devices {list(self.devices)}: the engine core "
+                                 f"process (pid {proc.pid}) is gone, exit code {proc.exitcode}")
             if time.monotonic() > end:
                 raise EngineTimeout(f"vLLM replica {self.index} on devices {list(self.devices)}: no engine-core "
                                     f"output within {deadline_s:.1f} s ({len(self.tracked)} requests running)")

@@ -181,3 +181,17 @@ def test_update_weights_then_failed_switch_rolls_back(pool, tmp_path_factory):
     for r, (ids, lps) in zip(reqs, hf_greedy(str(other), reqs)):
         assert list(done[r.request_id].token_ids) == ids, r.request_id
         assert done[r.request_id].log_probs == pytest.approx(lps, abs=LOGPROB_ATOL)
+
+
+def test_killed_engine_core_fails_the_step_naming_its_device(pool):
+    """Last (it breaks the pool): SIGKILL replica 0's engine core mid-decode; the next step fails at once with an
+    unresponsive WorkerError naming device 0, long before the deadline, and the pool still shuts down."""
+    sp = SamplingParams(max_new_tokens=480, ignore_eos=True)
+    pool.add_requests({0: [Request(request_id="k0", prompt_token_ids=(4, 8, 15, 16, 23, 42), sampling=sp)]})
+    pid = pool.replicas[0].engine_core_pid()
+    os.kill(pid, signal.SIGKILL)
+    t0 = time.monotonic()
+    with pytest.raises(WorkerError, match="decode step on replica 0 \\(devices \\[0\\]\\)") as e:
+        pool.step([0], 10_000)
+    assert e.value.unresponsive and e.value.devices == (0,)
+    assert time.monotonic() - t0 < pool.config.rpc_deadline_s(0)
