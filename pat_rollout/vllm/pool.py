@@ -1,0 +1,340 @@
+"""`VllmPool`: the driver's pool on real vLLM engines (`engine_kwargs.pat.backend=vllm`), first step.
+
+Each replica of the current layout is one vLLM v1 engine (`replica.VllmReplica`, TP = the replica's group size)
+placed on the replica's devices. A layout switch exports every unfinished request (exact tokens and log-probs
+so far), stops the old layout's engines, starts the new layout's engines on the same devices and resubmits each
+request (prompt + generated tokens, remaining budget): the hand-off is recomputation. A failure while starting
+the new layout rolls back to the base layout's engines and resubmits every request there.
+
+This is the stepping stone the README names: it serves every layout on real vLLM behind the Pool protocol and
+switches mid-decode, but it re-creates engines at a switch (weights loaded again from the checkpoint, no KV kept).
+The target design (long-lived workers regrouped per layout, weights resharded in place) is in README.md.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+from pat_rollout.config import PatRolloutConfig
+from pat_rollout.driver.errors import PoolBrokenError, ReconfigurationError, WorkerError
+from pat_rollout.driver.pool import Pool, ReconfigResult
+from pat_rollout.engine.base import EngineSnapshot, RunningInfo, StepResult
+from pat_rollout.kv.cost import HandoffCost
+from pat_rollout.layout import Layout
+from pat_rollout.types import ModelSpec, Request, RequestOutput
+from pat_rollout.workers.reconfigure import balance_states
+
+logger = logging.getLogger(__name__)
+
+INSTALL_HINT = "install it with `make install-vllm` (its own venv, .venv-vllm)"
+
+
+def check_model(config: PatRolloutConfig) -> ModelSpec:
+    """Fail before any process starts: vLLM importable, a HF config, TP sizes that divide the heads."""
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is None:
+        raise RuntimeError(f"backend='vllm' needs vLLM, which is not installed in this environment; {INSTALL_HINT}")
+    cfg_path = Path(config.model_path) / "config.json"
+    if not cfg_path.is_file():
+        raise ValueError(f"model_path={config.model_path!r} has no config.json (missing or not a HF model folder)")
+    spec = ModelSpec.from_hf_config(json.loads(cfg_path.read_text()))
+    for tp in config.tp_sizes:
+        spec.check_tp(tp)
+    return spec
+
+
+def cpu_bind(devices: Iterable[int], num_devices: int, cpus: list[int] | None = None) -> str:
+    """`VLLM_CPU_OMP_THREADS_BIND` for a replica on `devices` of a CPU pool: device d owns the d-th equal share of
+    the allowed cores (one core each when there are no more cores than devices; a share wraps around when there
+    are fewer), TP ranks separated by '|' as vLLM's CPU worker reads it."""
+    cpus = sorted(os.sched_getaffinity(0)) if cpus is None else cpus
+    per = max(1, len(cpus) // num_devices)
+    return "|".join(",".join(str(cpus[(d * per + i) % len(cpus)]) for i in range(per)) for d in devices)
+
+
+def replica_env(devices: tuple[int, ...], num_devices: int, device: str) -> dict[str, str]:
+    """The environment a replica's engine core and workers start with: its devices and nothing else."""
+    env = {"VLLM_WORKER_MULTIPROC_METHOD": "spawn"}
+    if device == "cpu":
+        env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_bind(devices, num_devices)
+        env.setdefault("VLLM_CPU_KVCACHE_SPACE", os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"))
+    else:
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(str(d) for d in devices)
+    return env
+
+
+def replica_seed(seed: int, switches: int, replica: int) -> int:
+    """The seed of replica `replica`'s engine after `switches` switches: vLLM seeds every worker of an engine
+    with it (`set_random_seed(model_config.seed)`), so the ranks of a replica sample alike (fresh engines, equal
+    RNG states), while replicas and layouts draw different random streams."""
+    return (seed * 1_000_003 + switches * 1_009 + replica) % (2**31 - 1)
+
+
+def engine_args(config: PatRolloutConfig, spec: ModelSpec, **overrides: Any) -> dict[str, Any]:
+    """vLLM EngineArgs of every replica (TP set per replica): token ids in and out (no tokenizer), eager mode
+    (per-layout CUDA graphs are the target design's, not this step's), the pool's seed, `max_num_seqs` per
+    replica; `config.engine_args` (any vLLM EngineArgs field, e.g. gpu_memory_utilization, max_model_len), then
+    `overrides` (VllmPool's keyword arguments), override these."""
+    kw: dict[str, Any] = dict(model=config.model_path, dtype=config.dtype, seed=config.seed, enforce_eager=True,
+                              skip_tokenizer_init=True, max_num_seqs=config.max_num_seqs,
+                              max_model_len=spec.max_position_embeddings, distributed_executor_backend="mp",
+                              worker_extension_cls="pat_rollout.vllm.worker_ext.PatWorkerExtension")
+    kw.update(config.engine_args)
+    kw.update(overrides)
+    return kw
+
+
+class VllmPool(Pool):
+    """`config.num_devices` devices; one vLLM engine per replica of the current layout. Driver thread only."""
+
+    reports_load = False  # snapshots are the pool's bookkeeping, not vLLM's scheduler state
+    # update_weights reloads the current layout's engines, and later switches start engines from the updated
+    # checkpoint, so any layout works
+    weights_in_any_layout = True
+
+    def __init__(self, config: PatRolloutConfig, spec: ModelSpec, base: Layout, *, cost: HandoffCost | None = None,
+                 device: str | None = None, **overrides: Any) -> None:
+        import torch
+
+        self.config, self.spec, self.cost = config, spec, cost
+        self.num_devices = config.num_devices
+        self.base = self.layout = base
+        self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        self.args = engine_args(config, spec, **overrides)
+        self.replicas: list[Any] = []
+        self.switches = 0
+        self.fail_at: str | None = None  # test hook: "start" makes the next switch's engine start fail
+        self.pending: dict[str, Any] = {}  # HF name -> CPU tensor: updates not yet in the engines
+        self.weights_dir: str | None = None  # the pool's own checkpoint with every update so far (engines load it)
+        t0 = time.perf_counter()
+        self.replicas = self._start(base)
+        self.startup_s = time.perf_counter() - t0
+        logger.info("VllmPool up in %.1f s: %d devices on %s, layout %s", self.startup_s, self.num_devices,
+                    self.device, base)
+
+    # ---- engines ---------------------------------------------------------------------------------
+    def _start(self, layout: Layout) -> list[Any]:
+        """One engine per replica of `layout`, started one after another (vLLM reads the device placement from
+        the environment its processes start with); if one fails, the started ones are stopped."""
+        from pat_rollout.vllm.replica import VllmReplica
+
+        made: list[Any] = []
+        try:
+            for r, group in enumerate(layout.groups):
+                if self.fail_at == "start" and r == len(layout.groups) - 1:
+                    self.fail_at = None
+                    raise RuntimeError(f"injected failure starting replica {r} of {layout}")
+                args = {**self.args, "seed": replica_seed(self.args["seed"], self.switches, r)}
+                made.append(VllmReplica(r, group, args, replica_env(group, self.num_devices, self.device),
+                                        eos_token_ids=self.spec.eos_token_ids))
+        except BaseException:
+            for rep in made:
+                rep.shutdown()
+            raise
+        self.kv_tokens = min(rep.kv_tokens for rep in made)
+        return made
+
+    def _stop(self) -> None:
+        errors = []
+        for rep in self.replicas:
+            try:
+                rep.shutdown()
+            except Exception as e:  # keep stopping the others
+                errors.append(f"replica {rep.index}: {e}")
+        self.replicas = []
+        if errors:
+            raise WorkerError(f"VllmPool: stopping engines failed: {errors}", list(range(self.num_devices)))
+
+    # ---- serving ---------------------------------------------------------------------------------
+    def check_request(self, request: Request) -> None:
+        prompt, spec = request.prompt_token_ids, self.spec
+        if bad := [t for t in prompt if not 0 <= t < spec.vocab_size]:
+            raise ValueError(f"request {request.request_id!r}: token ids {bad[:8]} outside vocab [0, {spec.vocab_size})")
+        total = len(prompt) + request.sampling.max_new_tokens
+        limit = min(self.args["max_model_len"], spec.max_position_embeddings)
+        if total > limit:
+            raise ValueError(f"request {request.request_id!r}: prompt {len(prompt)} + max_new_tokens "
+                             f"{request.sampling.max_new_tokens} = {total} > max_model_len={limit}")
+        if total > self.kv_tokens:
+            raise ValueError(f"request {request.request_id!r} can never fit: {total} tokens > the "
+                             f"{self.kv_tokens} KV tokens of one replica")
+
+    def add_requests(self, per_replica: dict[int, list[Request]]) -> None:
+        self._flush_weights()
+        for r, reqs in per_replica.items():
+            for q in reqs:
+                self.replicas[r].add(q)
+
+    def step(self, replicas: Iterable[int], num_steps: int) -> dict[int, tuple[StepResult, EngineSnapshot]]:
+        from pat_rollout.vllm.replica import EngineTimeout
+
+        self._flush_weights()
+        out: dict[int, tuple[StepResult, EngineSnapshot]] = {}
+        for r in replicas:
+            rep = self.replicas[r]
+            t0 = time.perf_counter()
+            work = sum(len(t.request.prompt_token_ids) + len(t.token_ids) for t in rep.tracked.values())
+            try:
+                finished, decoded = rep.step(num_steps, self.config.rpc_deadline_s(work))
+            except EngineTimeout as e:
+                raise WorkerError(f"VllmPool decode step: {e} (PatRolloutConfig.rpc_deadline_s)", list(rep.devices),
+                                  unresponsive=True) from e
+            except Exception as e:  # vLLM's EngineDeadError: an engine-core or worker process died
+                raise WorkerError(f"VllmPool decode step on replica {r} (devices {list(rep.devices)}): {e!r}",
+                                  list(rep.devices), unresponsive=True) from e
+            out[r] = (StepResult(finished=tuple(finished), num_steps=num_steps, num_decode_tokens=decoded,
+                                 num_prefill_tokens=0, num_running=len(rep.tracked), num_waiting=0,
+                                 elapsed_s=time.perf_counter() - t0), self._snapshot(rep))
+        return out
+
+    def _snapshot(self, rep: Any) -> EngineSnapshot:
+        running = tuple(RunningInfo(request_id=rid, num_prompt_tokens=len(t.request.prompt_token_ids),
+                                    num_output_tokens=len(t.token_ids),
+                                    max_new_tokens=t.request.sampling.max_new_tokens)
+                        for rid, t in rep.tracked.items())
+        used = sum(-(-(i.num_prompt_tokens + i.num_output_tokens) // rep.block_size) for i in running)
+        return EngineSnapshot(running=running, num_waiting=0, num_total_blocks=rep.num_blocks,
+                              num_free_blocks=max(0, rep.num_blocks - used), block_size=rep.block_size)
+
+    def abort_all(self) -> list[RequestOutput]:
+        return [t.output("abort") for rep in self.replicas for t in rep.export()]
+
+    # ---- reconfiguration -------------------------------------------------------------------------
+    def layout_for(self, tp: int) -> Layout:
+        self.spec.check_tp(tp)
+        if tp not in self.config.tp_sizes:
+            raise ValueError(f"TP{tp} is not one of this pool's TP sizes {self.config.tp_sizes}")
+        return Layout.uniform(self.num_devices, tp)
+
+    def reconfigure(self, dst_tp: int, assignment: dict[str, int]) -> ReconfigResult:
+        t_start = time.perf_counter()
+        src, dst = self.layout, self.layout_for(dst_tp)
+        self._flush_weights()  # the new engines start from the pool's checkpoint
+        result = ReconfigResult(src=src, dst=dst)
+        self.switches += 1
+        t = time.perf_counter()
+        tracked = [tr for rep in self.replicas for tr in rep.export()]
+        result.phase_s["export"] = time.perf_counter() - t
+        t = time.perf_counter()
+        try:
+            self._stop()
+        except WorkerError as e:
+            raise PoolBrokenError(f"vLLM switch {src} -> TP{dst_tp}, phase stop: {e}") from e
+        result.phase_s["stop"] = time.perf_counter() - t
+        states = [tr.state() for tr in tracked]
+        new_assign = balance_states(states, dst.num_replicas)
+        t = time.perf_counter()
+        try:
+            self.replicas = self._start(dst)
+        except Exception as e:
+            what = f"vLLM switch {src} -> TP{dst_tp}"
+            try:
+                self.replicas = self._start(self.base)
+                self.layout = self.base
+                base_assign = balance_states(states, self.base.num_replicas)
+                self._resubmit(tracked, base_assign)
+            except Exception as e2:
+                raise PoolBrokenError(f"{what} failed ({e}), and restarting the base layout {self.base} failed "
+                                      f"({e2}); the pool is broken") from e2
+            err = ReconfigurationError(f"{what} failed in phase start ({e}); rolled back to base layout {self.base}, "
+                                       f"{len(states)} unfinished requests resubmitted for recomputation")
+            err.assignment = {rid: base_assign[rid] for rid in assignment if rid in base_assign}
+            raise err from e
+        result.phase_s["start"] = time.perf_counter() - t
+        self.layout = dst
+        t = time.perf_counter()
+        self._resubmit(tracked, new_assign)
+        result.phase_s["import"] = time.perf_counter() - t
+        result.assignment = {rid: new_assign[rid] for rid in assignment if rid in new_assign}
+        result.recomputed = tuple(s.request_id for s in states)
+        result.total_s = time.perf_counter() - t_start
+        logger.info("vLLM pool %s -> %s in %.3f s: %s; %d recomputed", src, dst, result.total_s,
+                    {k: round(v, 4) for k, v in result.phase_s.items()}, len(result.recomputed))
+        return result
+
+    def _resubmit(self, tracked: list[Any], assign: dict[str, int]) -> None:
+        for tr in tracked:
+            self.replicas[assign[tr.request.request_id]].resume(tr)
+
+    # ---- weights, memory, info -------------------------------------------------------------------
+    def update_weights(self, named_tensors: list[tuple[str, Any]]) -> None:
+        """Full HF-named tensors (one bucket of an update), kept on the host until the pool next serves
+        (`_flush_weights`): vLLM's layerwise reload needs every tensor of a fused parameter (q, k, v of qkv_proj)
+        in one reload, and a bucket may hold only some of them. Any layout: the engines of whatever layout the
+        pool is in reload, and later switches start engines from the updated checkpoint."""
+        for name, t in named_tensors:
+            self.pending[name] = t.detach().to("cpu", copy=True)
+
+    def _flush_weights(self) -> None:
+        """Write the current checkpoint with the pending tensors in place of its own into a new folder of the
+        pool's (same files, same names), have every engine reload from it, and start later engines from it.
+        Costs a checkpoint write per update (this step's price; the target design loads in place)."""
+        if not self.pending:
+            return
+        import shutil
+        import tempfile
+
+        from safetensors.torch import load_file, save_file
+
+        src = Path(self.args["model"])
+        dst = Path(tempfile.mkdtemp(prefix="pat-vllm-weights-"))
+        left = dict(self.pending)
+        try:
+            for f in sorted(src.iterdir()):
+                if f.suffix != ".safetensors":
+                    if f.is_file():
+                        shutil.copy(f, dst / f.name)
+                    continue
+                tensors = load_file(str(f))
+                for name in tensors.keys() & left.keys():
+                    new = left.pop(name)
+                    if new.shape != tensors[name].shape:
+                        raise ValueError(f"update_weights: {name} has shape {tuple(new.shape)}, the checkpoint's "
+                                         f"is {tuple(tensors[name].shape)}")
+                    tensors[name] = new.to(tensors[name].dtype).contiguous()
+                save_file(tensors, str(dst / f.name), metadata={"format": "pt"})
+            if left:
+                raise ValueError(f"update_weights: {sorted(left)[:8]} are not in the checkpoint {src}")
+            for rep in self.replicas:
+                try:
+                    rep.reload_weights(str(dst), self.config.rpc_deadline_s())
+                except Exception as e:
+                    raise WorkerError(f"VllmPool update_weights on replica {rep.index} (devices "
+                                      f"{list(rep.devices)}): {e!r}", list(rep.devices), unresponsive=True) from e
+        except BaseException:
+            shutil.rmtree(dst, ignore_errors=True)
+            raise
+        old, self.weights_dir, self.args["model"] = self.weights_dir, str(dst), str(dst)
+        self.pending.clear()
+        if old:
+            shutil.rmtree(old, ignore_errors=True)
+
+    def release(self, tags: list[str]) -> None:
+        logger.debug("VllmPool.release(%s): not supported yet (vLLM sleep mode), kept", tags)
+
+    def resume(self, tags: list[str]) -> None:
+        return None
+
+    def info(self) -> list[dict[str, Any]]:
+        out = []
+        for rep in self.replicas:
+            for rank, d in enumerate(rep.devices):
+                out.append({"device": d, "replica": rep.index, "tp_rank": rank, "layout": str(self.layout),
+                            "groups": [list(g) for g in self.layout.groups], "kv_tokens": rep.kv_tokens})
+        return sorted(out, key=lambda i: i["device"])
+
+    def shutdown(self) -> None:
+        import shutil
+
+        try:
+            self._stop()
+        finally:
+            if self.weights_dir:
+                shutil.rmtree(self.weights_dir, ignore_errors=True)

@@ -1,0 +1,217 @@
+"""`VllmReplica`: one replica of the current layout as one vLLM `LLMEngine` (v1) on the replica's devices.
+
+The engine core runs in its own process (vLLM's default `VLLM_ENABLE_V1_MULTIPROCESSING=1`) with its workers;
+this object is the driver-side client: it submits token-id requests, reads the engine core's outputs with a
+deadline, and keeps every request's tokens and log-probs so far, so a switch can export them exactly (what this
+replica returned, not what the engine core may have computed after) and the pool can resubmit them elsewhere.
+
+Imports vllm: only in the vLLM venv (`make install-vllm`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import time
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from pat_rollout.types import Request, RequestOutput, RequestState, SamplingParams
+
+logger = logging.getLogger(__name__)
+
+POLL_S = 0.002  # slice of a bounded wait for the engine core's next output
+
+
+@dataclass(slots=True)
+class Tracked:
+    """One request on a replica: its original prompt and budget, and the tokens and log-probs produced so far,
+    `prefix_*` from earlier replicas (before a switch), `new_*` from this one."""
+
+    request: Request
+    prefix_ids: tuple[int, ...] = ()
+    prefix_lps: tuple[float, ...] = ()
+    new_ids: list[int] = field(default_factory=list)
+    new_lps: list[float] = field(default_factory=list)
+
+    @property
+    def token_ids(self) -> tuple[int, ...]:
+        return self.prefix_ids + tuple(self.new_ids)
+
+    @property
+    def log_probs(self) -> tuple[float, ...]:
+        return self.prefix_lps + tuple(self.new_lps)
+
+    def output(self, finish_reason: str) -> RequestOutput:
+        return RequestOutput(request_id=self.request.request_id, prompt_token_ids=self.request.prompt_token_ids,
+                             token_ids=self.token_ids, log_probs=self.log_probs, finish_reason=finish_reason)
+
+    def state(self) -> RequestState:
+        ids = self.token_ids
+        return RequestState(request_id=self.request.request_id, prompt_token_ids=self.request.prompt_token_ids,
+                            output_token_ids=ids, output_log_probs=self.log_probs, sampling=self.request.sampling,
+                            num_cached_tokens=len(self.request.prompt_token_ids) + max(0, len(ids) - 1))
+
+
+class EngineTimeout(TimeoutError):
+    """The engine core produced no output within the deadline."""
+
+
+class EngineGone(RuntimeError):
+    """The engine core process is no longer alive (killed, crashed, or ended by vLLM after a worker died)."""
+
+
+@contextlib.contextmanager
+def patched_environ(env: dict[str, str]) -> Iterator[None]:
+    """`env` set in os.environ while vLLM spawns the engine core (it and its workers inherit it), then restored."""
+    old = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def vllm_sampling(sp: SamplingParams, max_tokens: int, eos_token_ids: Sequence[int]) -> Any:
+    """vLLM SamplingParams for ours: the sampled token's log-prob (`logprobs=0`, raw model log-probs), no
+    detokenization (token ids in and out). EOS comes from the checkpoint's config (the engine runs without a
+    tokenizer), as stop token ids unless `ignore_eos`. A seed is passed only when non-zero: vLLM then samples from
+    a per-request generator seeded at admission (not reproducible across a resubmission; see README)."""
+    from vllm import SamplingParams as VSP
+
+    stop = tuple(sp.stop_token_ids) + (() if sp.ignore_eos else tuple(eos_token_ids))
+    return VSP(max_tokens=max_tokens, temperature=sp.temperature, top_p=sp.top_p, top_k=sp.top_k,
+               seed=sp.seed or None, stop_token_ids=list(dict.fromkeys(stop)), ignore_eos=sp.ignore_eos,
+               logprobs=0, detokenize=False)
+
+
+class VllmReplica:
+    """One vLLM engine serving replica `index` of a layout on `devices` (TP = len(devices))."""
+
+    def __init__(self, index: int, devices: tuple[int, ...], engine_args: dict[str, Any], env: dict[str, str],
+                 eos_token_ids: Sequence[int] = ()) -> None:
+        from vllm.engine.arg_utils import EngineArgs
+        from vllm.v1.engine.llm_engine import LLMEngine
+
+        self.index, self.devices = index, tuple(devices)
+        self.eos_token_ids = tuple(eos_token_ids)
+        t0 = time.perf_counter()
+        args = EngineArgs(tensor_parallel_size=len(self.devices), **engine_args)
+        with patched_environ(env):
+            self.engine = LLMEngine.from_engine_args(args)
+        self.startup_s = time.perf_counter() - t0
+        cache = self.engine.vllm_config.cache_config
+        self.block_size = int(cache.block_size)
+        self.num_blocks = int(cache.num_gpu_blocks or 0)
+        self.tracked: dict[str, Tracked] = {}
+
+    @property
+    def kv_tokens(self) -> int:
+        return self.num_blocks * self.block_size
+
+    # ---- requests --------------------------------------------------------------------------------
+    def add(self, request: Request) -> None:
+        self.resume(Tracked(request=request))
+
+    def resume(self, t: Tracked) -> None:
+        """Start `t` here: its prompt plus every token it produced so far is the new prompt (recomputation), with
+        the budget it has left."""
+        from vllm.inputs import TokensPrompt
+
+        rid = t.request.request_id
+        ids = list(t.request.prompt_token_ids) + list(t.token_ids)
+        left = t.request.sampling.max_new_tokens - len(t.token_ids)
+        if left < 1:
+            raise ValueError(f"request {rid!r} has no budget left ({len(t.token_ids)} tokens of "
+                             f"{t.request.sampling.max_new_tokens})")
+        t.prefix_ids, t.prefix_lps, t.new_ids, t.new_lps = t.token_ids, t.log_probs, [], []
+        self.engine.add_request(rid, TokensPrompt(prompt_token_ids=ids),
+                                vllm_sampling(t.request.sampling, left, self.eos_token_ids))
+        self.tracked[rid] = t
+
+    def busy(self) -> bool:
+        return bool(self.tracked)
+
+    def step(self, num_steps: int, deadline_s: float) -> tuple[list[RequestOutput], int]:
+        """Read up to `num_steps` engine-core outputs (each is one scheduler step of the engine core, which runs on
+        its own meanwhile), waiting at most `deadline_s` for each. Returns the finished requests and how many
+        new tokens the busy requests received."""
+        finished: list[RequestOutput] = []
+        decoded = 0
+        for _ in range(num_steps):
+            if not self.tracked:
+                break
+            self._wait_output(deadline_s)
+            for o in self.engine.step():
+                t = self.tracked.get(o.request_id)
+                if t is None:  # aborted here meanwhile
+                    continue
+                c = o.outputs[0]
+                n_before = len(t.new_ids)
+                t.new_ids = list(c.token_ids)
+                t.new_lps = [next(iter(d.values())).logprob if d else float("nan") for d in (c.logprobs or [])]
+                if len(t.new_lps) != len(t.new_ids):
+                    raise RuntimeError(f"vLLM returned {len(t.new_lps)} log-probs for {len(t.new_ids)} tokens "
+                                       f"of request {o.request_id!r}")
+                decoded += len(t.new_ids) - n_before
+                if o.finished:
+                    finished.append(t.output(c.finish_reason or "stop"))
+                    del self.tracked[o.request_id]
+        return finished, decoded
+
+    def _wait_output(self, deadline_s: float) -> None:
+        """Bounded wait: vLLM's `get_output` blocks on its queue without a timeout (SyncMPClient.get_output);
+        each slice also checks that the engine core process lives."""
+        queue = self.engine.engine_core.outputs_queue
+        proc = self.engine.engine_core.resources.engine_manager.processes[0]
+        end = time.monotonic() + deadline_s
+        while queue.empty():
+            if not proc.is_alive():
+                raise EngineGone(f"vLLM replica {self.index} on devices {list(self.devices)}: the engine core "
+                                 f"process (pid {proc.pid}) is gone, exit code {proc.exitcode}")
+            if time.monotonic() > end:
+                raise EngineTimeout(f"vLLM replica {self.index} on devices {list(self.devices)}: no engine-core "
+                                    f"output within {deadline_s:.1f} s ({len(self.tracked)} requests running)")
+            time.sleep(POLL_S)
+
+    def export(self, request_ids: Iterable[str] | None = None) -> list[Tracked]:
+        """Abort `request_ids` (None: all) and hand back what this replica returned of each (exact tokens and
+        log-probs so far). Outputs the engine core produced after the last read are dropped with the abort."""
+        ids = list(self.tracked) if request_ids is None else [r for r in request_ids if r in self.tracked]
+        if ids:
+            self.engine.abort_request(ids)
+        return [self.tracked.pop(r) for r in ids]
+
+    def engine_core_pid(self) -> int:
+        """The engine core's process id (vLLM's CoreEngineProcManager)."""
+        return self.engine.engine_core.resources.engine_manager.processes[0].pid
+
+    def rank_token_ids(self) -> list[dict[str, list[int]]]:
+        """Per TP rank of this replica (index = rank): its persistent batch's token ids per request
+        (`worker_ext.PatWorkerExtension.pat_token_ids`)."""
+        return self.engine.collective_rpc("pat_token_ids")
+
+    def reload_weights(self, weights_dir: str, timeout_s: float) -> None:
+        """Every rank reloads its shards in place from the checkpoint in `weights_dir` (vLLM's worker method
+        `reload_weights`: layerwise reload, the CPU repacking redone)."""
+        self.engine.collective_rpc("reload_weights", timeout=timeout_s,
+                                   kwargs={"weights_path": weights_dir, "is_checkpoint_format": True})
+
+    def params(self, names: list[str]) -> list[dict[str, Any]]:
+        """Per TP rank, its shards of the live parameters `names` (tests)."""
+        from pat_rollout.vllm.worker_ext import unpack_tensors
+
+        return [dict(unpack_tensors(p)) for p in self.engine.collective_rpc("pat_params", args=(names,))]
+
+    def shutdown(self) -> None:
+        self.tracked.clear()
+        engine, self.engine = getattr(self, "engine", None), None
+        if engine is not None:
+            engine.engine_core.shutdown()
+

@@ -1,0 +1,47 @@
+"""`PatWorkerExtension`: pat_rollout's methods on every vLLM worker (vLLM's `worker_extension_cls`, mixed into the
+worker class in its own process), called by name over `LLMEngine.collective_rpc`, so no callable is pickled.
+
+The hook the target design's switch RPCs (regroup, reshard, KV hand-off) will live on; today: reading a rank's
+state for tests. Weight updates use vLLM's own `reload_weights` worker method instead of `model.load_weights`:
+on CPU vLLM repacks linear weights after loading and leaves the parameters `load_weights` writes empty (seen on
+0.32.0: "Attempted to load weight (torch.Size([128, 128])) into parameter (torch.Size([0]))"). Runs inside vLLM
+workers only.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+
+class PatWorkerExtension:
+    """Mixed into vLLM's Worker: `self.model_runner` is the worker's model runner."""
+
+    def pat_params(self, names: list[str]) -> list[tuple[str, str, list[int], bytes]]:
+        """This rank's live parameters `names` (vLLM's names, this rank's shards), packed (`pack_tensors`)."""
+        params = dict(self.model_runner.get_model().named_parameters())  # type: ignore[attr-defined]
+        return pack_tensors([(n, params[n]) for n in names])
+
+    def pat_token_ids(self) -> dict[str, list[int]]:
+        """Every request in the worker's persistent batch and the token ids (prompt + sampled) it holds for it:
+        the ranks of one replica sample on their own, so they must agree."""
+        batch: Any = self.model_runner.input_batch  # type: ignore[attr-defined]
+        return {rid: batch.token_ids_cpu[i, :int(batch.num_tokens_no_spec[i])].tolist()
+                for i, rid in enumerate(batch.req_ids) if rid is not None}
+
+
+def pack_tensors(named: list[tuple[str, torch.Tensor]]) -> list[tuple[str, str, list[int], bytes]]:
+    """Tensors as (name, dtype, shape, raw bytes): vLLM's RPC serializer sends a tensor inside `collective_rpc`
+    arguments as nested lists without its type (seen on 0.32.0: "'list' object has no attribute 'dtype'"), bytes
+    it sends as they are."""
+    out = []
+    for name, t in named:
+        t = t.detach().to("cpu").contiguous()
+        out.append((name, str(t.dtype).removeprefix("torch."), list(t.shape), t.view(torch.uint8).numpy().tobytes()))
+    return out
+
+
+def unpack_tensors(packed: list[tuple[str, str, list[int], bytes]]) -> list[tuple[str, torch.Tensor]]:
+    return [(name, torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(getattr(torch, dtype)).reshape(shape))
+            for name, dtype, shape, raw in packed]
