@@ -96,6 +96,7 @@ def once(args) -> dict:
             driver.reconfigure(tp)
             times[name] = driver.last_reconfig.total_s
             times[f"{name}_migrated"] = len(driver.last_reconfig.migrated)
+            times[f"{name}_phases"] = {k: round(v, 3) for k, v in driver.last_reconfig.phase_s.items()}
         for f in futures.values():
             f.result(timeout=600)
     finally:

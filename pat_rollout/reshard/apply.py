@@ -186,11 +186,12 @@ def _piece_view(t: torch.Tensor, dim: int, offset: int, piece: tuple[int, int, i
 def _rounds(plan: WeightPlan, specs: dict, elem: dict[str, int], chunk_bytes: int):
     """The same schedule on every device: every transfer of the plan by parameter then task_id, split into pieces of at most
     `chunk_bytes` (along `dim` when there are no outer rows, else along the outer rows), grouped into rounds of at
-    most `chunk_bytes` and of one parameter each. Yields lists of (piece id, transfer, (o0, o1, a, b)); the piece id tags the message."""
+    most `chunk_bytes`; a parameter some device may take the fallback for gets rounds of its own. Yields lists of (piece id, transfer, (o0, o1, a, b)); the piece id tags the message."""
     rnd: list[tuple[int, WeightTransfer, tuple[int, int, int, int]]] = []
     size = 0
     piece_id = 0
     order = {name: i for i, name in enumerate(specs)}  # one parameter's transfers together (fallback lifetimes)
+    isolate = _may_fall_back(plan, specs)
     for t in sorted((t for t in plan.transfers if not t.is_local), key=lambda t: (order[t.name], t.task_id)):
         spec = specs[t.name]
         dim = spec.dim
@@ -206,7 +207,8 @@ def _rounds(plan: WeightPlan, specs: dict, elem: dict[str, int], chunk_bytes: in
             row = t.length * inner * esize
         for piece in pieces:
             nbytes = (piece[1] - piece[0]) * (piece[3] - piece[2]) * row if outer == 1 else (piece[1] - piece[0]) * row
-            if rnd and (size + nbytes > chunk_bytes or rnd[-1][1].name != t.name):
+            if rnd and (size + nbytes > chunk_bytes or (rnd[-1][1].name != t.name
+                                                         and (t.name in isolate or rnd[-1][1].name in isolate))):
                 yield rnd
                 rnd, size = [], 0
             rnd.append((piece_id, t, piece))
@@ -214,6 +216,34 @@ def _rounds(plan: WeightPlan, specs: dict, elem: dict[str, int], chunk_bytes: in
             piece_id += 1
     if rnd:
         yield rnd
+
+
+def _may_fall_back(plan: WeightPlan, specs: dict) -> set[str]:
+    """Parameters for which some device's part of the plan is neither a compaction nor an expansion (decided from the
+    plan alone, so every device agrees; a device may still fall back for local reasons: too small a storage, then it
+    holds at most the parameters sharing its rounds, up to a chunk of transfers)."""
+    parts: dict[tuple[str, int], list[WeightTransfer]] = {}
+    for t in plan.transfers:
+        parts.setdefault((t.name, t.src_device), []).append(t)
+        if not t.is_local:
+            parts.setdefault((t.name, t.dst_device), []).append(t)
+    out = set()
+    for (name, device), ts in parts.items():
+        spec = specs[name]
+        keeps = [t for t in ts if t.is_local]
+        sends = [t for t in ts if not t.is_local and t.src_device == device]
+        if len(keeps) == len(ts):
+            continue  # a compaction or nothing: no transfers
+        old_w = spec.local_shape(plan.src.position(device)[1], plan.src.tp_size)[spec.dim]
+        new_w = spec.local_shape(plan.dst.position(device)[1], plan.dst.tp_size)[spec.dim] \
+            if device in plan.dst.devices else 0
+        by_src = sorted(keeps, key=lambda t: t.src_offset)
+        if new_w < old_w or any(t.dst_offset < t.src_offset for t in keeps) \
+                or by_src != sorted(keeps, key=lambda t: t.dst_offset) \
+                or not all(any(k.src_offset <= t.src_offset and t.src_offset + t.length <= k.src_offset + k.length
+                               for k in keeps) for t in sends):
+            out.add(name)
+    return out
 
 
 def _kept_offset(keeps: list[WeightTransfer], t: WeightTransfer) -> int:
