@@ -115,9 +115,14 @@ class PatRolloutConfig:
         of the host memory available now divided among `num_devices` (the received KV waits in host memory)."""
         if self.kv_handoff_max_bytes is not None:
             return self.kv_handoff_max_bytes
-        import os
+        try:
+            import psutil
 
-        available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+            available = int(psutil.virtual_memory().available)
+        except ImportError:
+            import os
+
+            available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")  # free pages: a lower bound
         return available // 4 // self.num_devices
 
     def planner_config(self) -> PlannerConfig:
