@@ -47,6 +47,11 @@ class PatRolloutConfig:
     - transfer_timeout_floor_s, transfer_min_bytes_per_s: a KV hand-off or reshard transfer on the reference
       backend waits at most floor + bytes moved / min rate (capped at comm_timeout_s), so a peer that never
       arrives releases the others within seconds; a device that fails such a step releases them at once.
+    - transfer_chunk_bytes: a switch moves weights and KV in rounds of at most this many bytes per device, which
+      bounds its scratch memory (device and pinned host) to about one chunk (docs/gpu.md).
+    - kv_handoff_max_bytes: the most KV bytes one device receives in a switch's hand-off (held in host memory from
+      the exchange to the import); requests beyond it are recomputed. None: a quarter of the host memory available
+      at start-up, shared by the devices (`kv_handoff_cap`).
     """
 
     model_path: str
@@ -70,6 +75,8 @@ class PatRolloutConfig:
     rpc_timeout_per_token_s: float = 0.05
     transfer_timeout_floor_s: float = 5.0
     transfer_min_bytes_per_s: float = 100e6
+    transfer_chunk_bytes: int = 64 << 20
+    kv_handoff_max_bytes: int | None = None
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
@@ -91,7 +98,7 @@ class PatRolloutConfig:
             raise ValueError(f"engine_args={self.engine_args} apply to backend='sglang' or 'vllm' only (SGLang "
                              f"ServerArgs, vLLM EngineArgs); "
                              f"backend={self.backend!r} takes its options as fields of this config")
-        for name in ("block_size", "num_kv_blocks", "max_num_seqs", "steps_per_poll"):
+        for name in ("block_size", "num_kv_blocks", "max_num_seqs", "steps_per_poll", "transfer_chunk_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
         for name in ("comm_timeout_s", "rpc_timeout_s", "rpc_timeout_per_token_s", "transfer_timeout_floor_s",
@@ -100,6 +107,26 @@ class PatRolloutConfig:
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
                     or value <= 0:
                 raise ValueError(f"{name}={value!r} must be a finite number > 0")
+
+        if self.kv_handoff_max_bytes is not None and (isinstance(self.kv_handoff_max_bytes, bool)
+                                                      or not isinstance(self.kv_handoff_max_bytes, int)
+                                                      or self.kv_handoff_max_bytes < 0):
+            raise ValueError(f"kv_handoff_max_bytes={self.kv_handoff_max_bytes!r} must be None or an int >= 0")
+
+    def kv_handoff_cap(self) -> int:
+        """Bytes of migrated KV one device may receive in a switch: `kv_handoff_max_bytes`, or by default a quarter
+        of the host memory available now divided among `num_devices` (the received KV waits in host memory)."""
+        if self.kv_handoff_max_bytes is not None:
+            return self.kv_handoff_max_bytes
+        try:
+            import psutil
+
+            available = int(psutil.virtual_memory().available)
+        except ImportError:
+            import os
+
+            available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")  # free pages: a lower bound
+        return available // 4 // self.num_devices
 
     def planner_config(self) -> PlannerConfig:
         """`planner` as a validated pat_rollout.planner.PlannerConfig over this pool's TP sizes. The driver

@@ -5,6 +5,12 @@ once; after `run()` returns, every receive buffer is filled. Messages are matche
 (src device, dst device, task_id); NCCL ignores tags and matches by order per peer pair, which holds
 because both sides submit in task_id order.
 
+Devices: gloo's send/recv pass the tensor's raw pointer to a socket (no staging; torch lists gloo send/recv on
+GPU as unsupported), so `GlooTransport` over a gloo group refuses any tensor not on the CPU (`check_cpu`). Device
+tensors go through `StagedTransport`: pinned host staging over the same gloo transport (why staging and not NCCL
+point-to-point: see its docstring and docs/gpu.md). `transport_for` picks one by the tensors' device; it is the
+one place a device transport plugs in.
+
 Failing fast: a device that fails a transfer step calls `abort()`, which releases every peer blocked on it
 at once; `TransferTimeout` bounds a step by the bytes it moves, for peers that never arrive at all.
 """
@@ -130,8 +136,19 @@ class LoopbackTransport(Transport):
             tensor.copy_(msg)
 
 
+def check_cpu(tensor: torch.Tensor, what: str) -> None:
+    """The invariant of every gloo group in pat_rollout: only CPU tensors cross it."""
+    if tensor.device.type != "cpu":
+        raise TypeError(f"{what}: a {tensor.device} tensor {tuple(tensor.shape)} {tensor.dtype} cannot go through a "
+                        "gloo group (gloo send/recv would read the raw device pointer); device tensors take "
+                        "comm.transport.StagedTransport (transport_for picks it by device)")
+
+
 class GlooTransport(Transport):
     """torch.distributed isend/irecv over `group` (gloo or NCCL), batched with batch_isend_irecv.
+
+    Over a gloo group every tensor must be on the CPU (`check_cpu`, checked at submit): a device tensor is a
+    TypeError naming it, never a socket write from a device pointer.
 
     `device_to_group_rank` maps plan device ids to ranks in `group` (None: device id == group rank for
     every rank of the group). Self-messages are matched locally
@@ -153,16 +170,21 @@ class GlooTransport(Transport):
         if len(mine) != 1:
             raise RuntimeError(f"group rank {my_rank} maps to devices {mine} in {self.device_to_group_rank}")
         self.device = mine[0]
+        self.cpu_only = dist.get_backend(group) == "gloo"
         self._ops: list[tuple[str, torch.Tensor, int, int]] = []
         self._local: dict[int, torch.Tensor] = {}
 
     def submit_send(self, tensor: torch.Tensor, dst_device: int, task_id: int) -> None:
+        if self.cpu_only:
+            check_cpu(tensor, f"GlooTransport send (device {self.device} -> {dst_device}, task_id={task_id})")
         if dst_device == self.device:
             self._local[task_id] = tensor
         else:
             self._ops.append(("send", tensor, dst_device, task_id))
 
     def submit_recv(self, tensor: torch.Tensor, src_device: int, task_id: int) -> None:
+        if self.cpu_only:
+            check_cpu(tensor, f"GlooTransport recv (device {self.device} <- {src_device}, task_id={task_id})")
         self._ops.append(("recv", tensor, src_device, task_id))
 
     def run(self) -> None:
@@ -226,6 +248,79 @@ class GlooTransport(Transport):
     def close(self) -> None:
         self._ops.clear()
         self._local.clear()
+
+
+class StagedTransport(Transport):
+    """Device tensors over a CPU transport (gloo) through pinned host memory: a send is copied to the host when
+    submitted (so the caller may overwrite the device tensor right after), a receive lands in a host buffer and
+    is copied into the device tensor when `run()` returns. CPU tensors pass straight through.
+
+    Why staging and not NCCL point-to-point on a device group (SGLANG_GPU_REVIEW item 1, docs/gpu.md):
+    - memory: the first NCCL P2P between each pair of peers allocates per-peer channel buffers on the GPU (+GBs per
+      GPU after an all-to-all pattern, NVIDIA/nccl#1685), after SGLang has sized its KV pool to fill memory; staging
+      allocates no device memory beyond the caller's tensors (host: what is in flight, bounded by the callers'
+      chunks);
+    - failure: a blocked gloo transfer is released by `GlooTransport.abort` and bounded by `TransferTimeout`; an
+      NCCL `Work.wait(timeout)` is not released that way and its watchdog tears the process down;
+    - matching by (peer, tag) works as on CPU (NCCL ignores tags).
+    The cost is bandwidth: device-to-host + host-to-device copies and TCP instead of NVLink. The pool moves at most
+    one weight shrink and the migrated KV per switch, in bounded chunks; a faster device path (NCCL on a device
+    group made at start-up) plugs in at `transport_for`.
+    """
+
+    def __init__(self, inner: Transport, *, pin: bool | None = None) -> None:
+        self.inner = inner
+        self.device = inner.device
+        self.pin = torch.cuda.is_available() if pin is None else pin
+        self._copy_back: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.staged_bytes = 0  # host bytes staged by the last run() (tests, logs)
+        self._staged = 0
+
+    def _host(self, like: torch.Tensor) -> torch.Tensor:
+        self._staged += like.numel() * like.element_size()
+        return torch.empty(like.shape, dtype=like.dtype, device="cpu", pin_memory=self.pin)
+
+    def stages(self, tensor: torch.Tensor) -> bool:
+        """Whether `tensor` goes through a host buffer (any non-CPU tensor)."""
+        return tensor.device.type != "cpu"
+
+    def submit_send(self, tensor: torch.Tensor, dst_device: int, task_id: int) -> None:
+        if self.stages(tensor):
+            host = self._host(tensor)
+            host.copy_(tensor)  # synchronous from pageable or pinned: the device tensor may change afterwards
+            tensor = host
+        self.inner.submit_send(tensor, dst_device, task_id)
+
+    def submit_recv(self, tensor: torch.Tensor, src_device: int, task_id: int) -> None:
+        if self.stages(tensor):
+            host = self._host(tensor)
+            self._copy_back.append((tensor, host))
+            tensor = host
+        self.inner.submit_recv(tensor, src_device, task_id)
+
+    def run(self) -> None:
+        copy_back, self._copy_back = self._copy_back, []
+        self.staged_bytes, self._staged = self._staged, 0
+        self.inner.run()
+        for dst, host in copy_back:
+            dst.copy_(host)  # synchronous: the host buffer is free to go when run() returns
+
+    def abort(self) -> None:
+        self._copy_back.clear()
+        self.inner.abort()
+
+    def close(self) -> None:
+        self._copy_back.clear()
+        self.inner.close()
+
+
+def transport_for(device: torch.device | str, cpu_transport: Transport) -> Transport:
+    """The transport for tensors on `device`: `cpu_transport` (gloo) itself for CPU tensors, pinned-host staging
+    over it for anything else. The one place a device transport (e.g. NCCL P2P on a device group created at
+    start-up) would be chosen instead."""
+    if torch.device(device).type == "cpu":
+        return cpu_transport
+    return StagedTransport(cpu_transport)
 
 
 # Tag of abort()'s receive; plan task_ids are positions in a plan and stay far below it.

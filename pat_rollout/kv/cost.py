@@ -1,4 +1,5 @@
-"""Pure cost model choosing, per request, between migrating its KV cache and recomputing it (prefill).
+"""Pure cost model choosing, per request, between migrating its KV cache and recomputing it (prefill), and the
+memory bound on what one hand-off may migrate (`fit_to_cap`), shared by every pool.
 
 Constants are measured on the target hardware (see `profile/`) and passed in; nothing here guesses them.
 """
@@ -6,6 +7,7 @@ Constants are measured on the target hardware (see `profile/`) and passed in; no
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import Enum
 from typing import TYPE_CHECKING
@@ -112,6 +114,28 @@ def choose_handoff(num_cached_tokens: int, kv_bytes_per_token: int, tp_dst: int,
                    cost: HandoffCost, num_transfers: int = 1) -> HandoffDecision:
     """Function form of `HandoffCost.choose_handoff`."""
     return cost.choose_handoff(num_cached_tokens, kv_bytes_per_token, tp_dst, mode, num_transfers)
+
+
+def fit_to_cap(candidates: Sequence[tuple[str, Sequence[int], int]], cap_bytes: int) -> tuple[list[str], list[str]]:
+    """Which of the requests chosen for migration fit a hand-off's memory bound. `candidates`: (request_id, devices
+    that receive its KV, bytes each of them receives), in the order they are considered; `cap_bytes`: the most KV one
+    device may receive in one hand-off (PatRolloutConfig.kv_handoff_cap). Greedy: a request is migrated if every
+    device it goes to still has room, else recomputed. Returns (migrate, recompute) request ids, in input order."""
+    if cap_bytes < 0:
+        raise ValueError(f"cap_bytes={cap_bytes} must be >= 0")
+    used: dict[int, int] = {}
+    keep, drop = [], []
+    for request_id, devices, nbytes in candidates:
+        if all(used.get(d, 0) + nbytes <= cap_bytes for d in devices):
+            for d in devices:
+                used[d] = used.get(d, 0) + nbytes
+            keep.append(request_id)
+        else:
+            drop.append(request_id)
+    if drop:
+        logger.info("KV hand-off: %d request(s) recomputed instead of migrated: over the cap of %d bytes per device",
+                    len(drop), cap_bytes)
+    return keep, drop
 
 
 def handoff_cost(model: LatencyModel) -> HandoffCost:

@@ -28,7 +28,7 @@ from pat_rollout.engine.base import EngineSnapshot, StepResult
 from pat_rollout.kv.cost import HandoffCost
 from pat_rollout.layout import Layout
 from pat_rollout.types import ModelSpec, Request, RequestOutput, RequestState
-from pat_rollout.workers.reconfigure import balance_states, handoff_method
+from pat_rollout.workers.reconfigure import balance_states, handoff_method, limit_by_memory
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +47,7 @@ def check_model(config: PatRolloutConfig) -> ModelSpec:
     spec = ModelSpec.from_hf_config(json.loads(cfg_path.read_text()))
     for tp in config.tp_sizes:
         spec.check_tp(tp)
+    check_page_size(config.engine_args)
     smallest = min(config.tp_sizes)
     if config.initial_tp > smallest:
         # SGLang splits its memory budget (mem_fraction_static) once, in the base layout: weights of that TP,
@@ -59,6 +60,15 @@ def check_model(config: PatRolloutConfig) -> ModelSpec:
             f"weight memory per rank. Start in the smallest TP (initial_tp={smallest}) or drop the smaller "
             f"sizes from candidate_tps")
     return spec
+
+
+def check_page_size(engine_args: dict[str, Any]) -> None:
+    """The KV hand-off moves single-token slots into SGLang's allocator, which rounds every allocation to whole
+    pages (`_insert_prefix` would get fewer slots than tokens): refuse page_size > 1 before anything starts."""
+    if (engine_args.get("page_size") or 1) > 1:
+        raise ValueError(f"SglPool: engine_args['page_size']={engine_args['page_size']} is not supported: the KV "
+                         "hand-off moves single-token slots and SGLang's paged allocator rounds to whole pages; "
+                         "use page_size=1 (SGLang's default; trtllm_mha and FA3 with --page-size set larger ones)")
 
 
 def pool_layouts(config: PatRolloutConfig) -> dict[int, Layout]:
@@ -103,6 +113,7 @@ def pool_engine_args(config: PatRolloutConfig, **overrides: Any) -> dict[str, An
                               max_running_requests=config.max_num_seqs, custom_sigquit_handler=child_failed,
                               **compat.prefill_graph_off_args())
     kw.update(overrides)
+    check_page_size(kw)
     if kw.get("sleep_on_idle"):
         raise ValueError("SglPool: sleep_on_idle is not supported: a replica leader other than rank 0 reads its "
                          "requests from its own socket (replica_input), which SGLang's idle sleeper does not watch, so "
@@ -123,6 +134,7 @@ class SglPool(Pool):
         self.num_devices = config.num_devices
         self.base = self.layout = base
         self.layouts = pool_layouts(config)
+        self.kv_cap = config.kv_handoff_cap()  # most KV bytes one rank receives in a switch (host memory)
         self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         args = {**config.engine_args, **server_overrides}
         if self.device == "cpu" and args.pop("enable_memory_saver", False):
@@ -148,7 +160,14 @@ class SglPool(Pool):
         # KV tokens one replica of the current layout holds: SGLang's pool size on each of its ranks (kv_room)
         self.kv_tokens = min(i["kv_tokens"] for i in info)
         self.client.watch = self._check_alive
+        page_size = int(getattr(sgl.server_args, "page_size", 1) or 1)  # as SGLang resolved it (backends pick)
+        if page_size > 1:
+            self.shutdown()
+            raise ValueError(f"SglPool: the KV pool's page_size is {page_size} (engine_args['page_size'] or the "
+                             f"attention backend's choice); the KV hand-off moves single-token slots, so it needs "
+                             f"page_size=1: set engine_args['page_size']=1 or an attention backend with pages of 1")
         self._rpc("pat_backup_base")
+        self._backup_stale = False  # weights updated since the last host backup (end_weight_update takes one)
         logger.info("SglPool up in %.1f s: %d SGLang ranks on %s, layout %s", self.startup_s, self.num_devices,
                     self.device, base)
 
@@ -297,6 +316,7 @@ class SglPool(Pool):
             raise ValueError(f"TP{dst_tp} is not one of this pool's TP sizes {sorted(self.layouts)}")
         dst = self.layouts[dst_tp]
         result = ReconfigResult(src=src, dst=dst)
+        self.end_weight_update()  # weights synced since the last backup: back them up before anything can fail
         t = time.perf_counter()
         try:  # abort; tokens + log-probs come back with the aborts
             states = self.client.export_requests(None, timeout=self.config.rpc_deadline_s())
@@ -306,6 +326,11 @@ class SglPool(Pool):
         result.phase_s["export"] = time.perf_counter() - t
         new_assign = balance_states(states, dst.num_replicas)
         migrated = [s for s in states if self._method(s, dst) == "migrate"]
+        # SGLang freed nothing it had cached: every token but the last sampled one has KV (an upper bound)
+        migrated, _ = limit_by_memory(migrated, lambda s: s.num_tokens - 1,
+                                      {s.request_id: dst.groups[new_assign[s.request_id]] for s in migrated},
+                                      lambda tp: self.spec.kv_bytes_per_token(tp, DTYPE_BYTES[self.config.dtype]),
+                                      self.kv_cap)
         moves = [[s.request_id, list(s.prompt_token_ids + s.output_token_ids), self._replica[s.request_id],
                   new_assign[s.request_id]] for s in migrated]
         c = self.config
@@ -313,7 +338,7 @@ class SglPool(Pool):
             per_rank = self._rpc("pat_switch", work_tokens=sum(len(m[1]) for m in moves),
                                  dst_groups=[list(g) for g in dst.groups], moves=moves, path="",
                                  transfer_timeout=[c.transfer_timeout_floor_s, c.transfer_min_bytes_per_s,
-                                                   c.comm_timeout_s])
+                                                   c.comm_timeout_s], chunk_bytes=c.transfer_chunk_bytes)
         except Exception as e:
             what = f"SGLang switch {src} -> TP{dst_tp}"
             if isinstance(e, WorkerError) and e.unresponsive:  # its later calls would queue behind the hang
@@ -377,7 +402,15 @@ class SglPool(Pool):
             self.client.update_weights(named_tensors, timeout=self.config.rpc_deadline_s())
         except TimeoutError as e:  # engine.EngineTimeout
             raise self._engine_timeout(e, "update_weights", []) from e
-        self._rpc("pat_backup_base")
+        self._backup_stale = True  # one backup per sync, not per bucket: end_weight_update (or the next switch)
+
+    def end_weight_update(self) -> None:
+        """A weight sync's last bucket is in: refresh the host backup rollback restores from (pinned, one copy per
+        rank). Called once per sync (verl: after the last bucket; `resume(["kv_cache"])`, which follows it, calls
+        it too); the next switch takes it itself if nobody did, so a rollback always restores the synced weights."""
+        if self._backup_stale:
+            self._rpc("pat_backup_base")
+            self._backup_stale = False
 
     def release(self, tags: list[str]) -> None:
         """Free GPU memory between stages (SGLang's memory saver); without it there is nothing to release."""
@@ -391,6 +424,8 @@ class SglPool(Pool):
             raise self._engine_timeout(e, "release", []) from e
 
     def resume(self, tags: list[str]) -> None:
+        if "kv_cache" in tags:  # verl resumes the KV cache after the last weight bucket
+            self.end_weight_update()
         if not self.memory_saver:
             return
         asyncio.set_event_loop(self.client.loop)

@@ -54,6 +54,7 @@ class PoolState:
     models: dict[int, Any] = field(default_factory=dict)  # tp -> the module tree built for it (pool_switch._rebuild)
     graphs: dict[int, Any] = field(default_factory=dict)  # tp -> layout_graphs.LayoutGraphs (graphs on only)
     backup: dict[str, torch.Tensor] | None = None  # host copy of the base layout's params (rollback)
+    backups: int = 0  # pat_backup_base calls so far (one at start-up, then one per weight sync)
     fail_next: tuple[str, int | None, float] | None = None  # tests: (phase, rank or None = all, hang_s)
     transport_group: Any = None  # pat_rollout's gloo group for KV / weight transfers (pool_switch._transport)
     per_replica_input: bool = True  # REPLICA_INPUT_ENV

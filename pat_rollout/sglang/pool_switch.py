@@ -52,21 +52,38 @@ def _world():
     return get_world_group()
 
 
-def _transport(timeout: list[float]):
-    """A GlooTransport over pat_rollout's own gloo group of all ranks, created on first use (every rank runs
+def _transport(timeout: list[float], device: torch.device):
+    """The transport for tensors on `device` (`comm.transport.transport_for`): a GlooTransport over pat_rollout's
+    own gloo group of all ranks for CPU tensors, pinned-host staging over it for device tensors (no CUDA tensor
+    ever reaches gloo: the GlooTransport checks it). The group is created on first use (every rank runs
     pat_switch, so every rank creates it together) and dropped by every rollback: a failed rank aborts it
     (`GlooTransport.abort` closes its pairs so a blocked peer fails at once), which leaves it unusable, and
     SGLang's own groups must never be the ones closed. Each `run()` waits at most floor + bytes / rate."""
     import torch.distributed as dist
 
-    from pat_rollout.comm.transport import GlooTransport, TransferTimeout
+    from pat_rollout.comm.transport import GlooTransport, TransferTimeout, transport_for
 
     st = pool_hooks.STATE
     if st.transport_group is None:
         st.transport_group = dist.new_group(list(range(st.world)), backend="gloo")
     floor_s, rate, max_s = timeout
-    return GlooTransport(group=st.transport_group, device_to_group_rank={r: r for r in range(st.world)},
+    gloo = GlooTransport(group=st.transport_group, device_to_group_rank={r: r for r in range(st.world)},
                          timeout=TransferTimeout(floor_s=floor_s, min_bytes_per_s=rate, max_s=max_s))
+    return transport_for(device, gloo)
+
+
+ALLOC_SPY_ENV = "PAT_SGLANG_ALLOC_SPY"  # "1": pat_switch reports the peak extra bytes of its KV and reshard phases
+
+
+def _alloc_spy():
+    """An `AllocSpy` when ALLOC_SPY_ENV is "1" (tests, benches: it intercepts every torch op), else None."""
+    import os
+
+    if os.environ.get(ALLOC_SPY_ENV) != "1":
+        return None
+    from pat_rollout.comm.alloc_spy import AllocSpy
+
+    return AllocSpy()
 
 
 def _maybe_fail(phase: str) -> None:
@@ -129,15 +146,24 @@ def _kv_pool(self):
     return pool
 
 
-def _insert_prefix(self, pool, tokens: list[int], kv: torch.Tensor) -> None:
-    """Put `kv` ([L, 2, T, h, D], this rank's heads) for `tokens[:T]` into fresh slots and the radix tree."""
+def _insert_prefix(self, pool, tokens: list[int], kv: torch.Tensor, chunk_bytes: int) -> None:
+    """Put `kv` ([L, 2, T, h, D], this rank's heads, on the host) for `tokens[:T]` into fresh slots and the radix
+    tree, copied in pieces of at most `chunk_bytes` per layer straight into the slots."""
     n = kv.shape[2]
     slots = self.token_to_kv_pool_allocator.alloc(n)
     if slots is None:
         raise RuntimeError(f"KV pool has no room for {n} migrated tokens")
+    if len(slots) != n:  # a paged allocator rounds to whole pages; check_model refuses page_size > 1
+        raise RuntimeError(f"KV allocator returned {len(slots)} slots for {n} migrated tokens (page_size > 1?)")
+    per_token = kv[0, 0, 0].numel() * kv.element_size() if n else 1
+    step = max(1, chunk_bytes // max(1, per_token))
     for layer in range(kv.shape[0]):
-        pool.k_buffer[layer][slots] = kv[layer, 0].to(pool.k_buffer[layer].dtype)
-        pool.v_buffer[layer][slots] = kv[layer, 1].to(pool.v_buffer[layer].dtype)
+        for t0 in range(0, n, step):
+            part = slots[t0 : t0 + step]
+            pool.k_buffer[layer][part] = kv[layer, 0, t0 : t0 + step].to(pool.k_buffer[layer].device,
+                                                                         pool.k_buffer[layer].dtype)
+            pool.v_buffer[layer][part] = kv[layer, 1, t0 : t0 + step].to(pool.v_buffer[layer].device,
+                                                                         pool.v_buffer[layer].dtype)
     prefix_len = compat.insert_prefix(self.tree_cache, tokens[:n], slots)
     if prefix_len:  # a shared prefix was already there: its slots stay, ours for that part are spare
         self.token_to_kv_pool_allocator.free(slots[:prefix_len])
@@ -187,19 +213,20 @@ def _rebuild(self, params: dict[str, torch.Tensor] | None, tp: int) -> None:
 
 
 def pat_switch(self, dst_groups: list[list[int]], moves: list[list[Any]], path: str,
-               transfer_timeout: list[float]) -> None:
+               transfer_timeout: list[float], chunk_bytes: int = 64 << 20) -> None:
     """Switch this rank to layout `dst_groups`. `moves`: [request_id, tokens, src_replica, dst_replica] of every
     request chosen for KV migration (tokens = prompt + generated so far). `transfer_timeout`: [floor_s,
-    min_bytes_per_s, max_s] of every transfer (`TransferTimeout`). An exception leaves with `pat_phase` naming
+    min_bytes_per_s, max_s] of every transfer (`TransferTimeout`); `chunk_bytes`: the bound on one transfer round
+    (PatRolloutConfig.transfer_chunk_bytes). An exception leaves with `pat_phase` naming
     the phase; a failure in a transfer phase aborts the transport first, so no peer stays blocked on it."""
     st = pool_hooks.STATE
     st.switches += 1  # first, before any failure point: every rank counts every switch and rollback
     src_groups = st.groups
-    transport = _transport(transfer_timeout)
+    transport = _transport(transfer_timeout, next(self.tp_worker.model_runner.model.parameters()).device)
     state = {"phase": "export"}
     error: BaseException | None = None
     try:
-        _switch(self, state, transport, dst_groups, moves, path)
+        _switch(self, state, transport, dst_groups, moves, path, chunk_bytes)
     except BaseException as e:
         if state["phase"] in ("kv", "reshard"):
             transport.abort()
@@ -240,7 +267,7 @@ def _agree(error: Exception | None, what: str, payload: Any) -> list[Any]:
 
 
 def _switch(self, state: dict[str, str], transport, dst_groups: list[list[int]], moves: list[list[Any]],
-            path: str) -> None:
+            path: str, chunk_bytes: int) -> None:
     st = pool_hooks.STATE
     src, dst = Layout(st.groups), Layout(tuple(tuple(g) for g in dst_groups))
     rank, runner = st.rank, self.tp_worker.model_runner
@@ -275,15 +302,55 @@ def _switch(self, state: dict[str, str], transport, dst_groups: list[list[int]],
     state["phase"] = "kv"
     _maybe_fail("kv")
 
-    def export_fn(rid: str, heads: tuple[int, int]) -> torch.Tensor:
-        ix = held[rid][: cached[rid]]
+    def export_fn(rid: str, heads: tuple[int, int], tokens: tuple[int, int]) -> torch.Tensor:
+        ix = held[rid][tokens[0] : min(tokens[1], cached[rid])]
         lo, hi = heads[0] - old_lo, heads[1] - old_lo
-        return torch.stack([torch.stack([pool.k_buffer[layer][ix, lo:hi], pool.v_buffer[layer][ix, lo:hi]])
-                            for layer in range(len(pool.k_buffer))])
+        out = torch.empty((len(pool.k_buffer), 2, len(ix), hi - lo, pool.head_dim), dtype=pool.k_buffer[0].dtype,
+                          device=pool.k_buffer[0].device)
+        for layer in range(len(pool.k_buffer)):  # one piece (<= a chunk), gathered straight into its place
+            out[layer, 0] = pool.k_buffer[layer][ix, lo:hi]
+            out[layer, 1] = pool.v_buffer[layer][ix, lo:hi]
+        return out
 
-    incoming = gather_kv(plan, rank, export_fn, transport, num_layers=len(pool.k_buffer), head_dim=pool.head_dim,
-                         dtype=pool.k_buffer[0].dtype, device=pool.k_buffer[0].device)
-    phase["kv_handoff"] = time.perf_counter() - t
+    # Received KV waits in host memory (pinned on CUDA) until the import: the KV storage is re-viewed for the new
+    # layout in between, so it cannot land in its final slots before; at most kv_handoff_cap bytes (the driver's
+    # migrate-or-recompute choice), exchanged in rounds of at most chunk_bytes (device scratch: about two chunks).
+    on_cuda = pool.k_buffer[0].device.type == "cuda"
+    tokens = {m[0]: m[1] for m in moves}
+    with contextlib.ExitStack() as stack:
+        kv_spy = _alloc_spy()  # the hand-off's extra bytes: from the exchange to the import, nothing else in between
+        if kv_spy is not None:
+            stack.enter_context(kv_spy)
+        incoming = gather_kv(plan, rank, export_fn, transport, num_layers=len(pool.k_buffer),
+                             head_dim=pool.head_dim, dtype=pool.k_buffer[0].dtype, device="cpu", pin_memory=on_cuda,
+                             chunk_bytes=chunk_bytes)
+        phase["kv_handoff"] = time.perf_counter() - t
+        with kv_spy.paused() if kv_spy is not None else contextlib.nullcontext():
+            reshard_peak = _reshard_and_rebuild(self, state, transport, src, dst, hf, chunk_bytes, phase)
+            kv_room_tokens = _enter_layout(self, dst, num_kv_heads, phase)
+        t = time.perf_counter()
+        state["phase"] = "import"
+        _maybe_fail("import")
+        for rid in list(incoming):
+            _insert_prefix(self, pool, tokens[rid], incoming.pop(rid), chunk_bytes)  # host memory freed as it goes
+    phase["reseed"] = _reseed(self)
+    phase["switch"] += time.perf_counter() - t
+    peaks = {} if kv_spy is None else dict(kv_peak_bytes=kv_spy.peak, reshard_peak_bytes=reshard_peak)
+    _write(path, rank, dict(phase_s=phase, cached_tokens=cached, params_in_place=phase.pop("_in_place"),
+                            params_total=phase.pop("_total"),
+                            bytes_moved=sum(t.num_heads * t.num_tokens for t in plan.transfers if not t.is_local
+                                            and t.dst_device == rank) * len(pool.k_buffer) * 2 * pool.head_dim
+                            * pool.k_buffer[0].element_size(),
+                            layout=[list(g) for g in st.groups], kv_heads=int(pool.head_num), kv_tokens=kv_room_tokens,
+                            **peaks))
+
+
+def _reshard_and_rebuild(self, state: dict[str, str], transport, src: Layout, dst: Layout, hf: dict,
+                         chunk_bytes: int, phase: dict) -> int | None:
+    """Phases 3-4: flush, reshard in place, rebuild the modules for the new layout. Returns the reshard's peak extra
+    bytes when ALLOC_SPY_ENV is set."""
+    st = pool_hooks.STATE
+    rank, runner = st.rank, self.tp_worker.model_runner
 
     # 3-4. flush, reshard in place, rebuild the modules for the new layout
     t = time.perf_counter()
@@ -296,11 +363,15 @@ def _switch(self, state: dict[str, str], transport, dst_groups: list[list[int]],
     specs = {n: s for n, s in specs.items() if n in named}
     wplan = plan_weights(src, dst, specs)
     sharded = {n: named[n] for n in specs if specs[n].dim is not None}
-    # Every new shard (a shrink's receive buffers, a grow's compacted storage: resize_ reallocates) is
-    # allocated inside the weights region, so verl's release_memory_occupation frees it like the loaded ones.
-    with torch.no_grad(), compat.weights_region(self.server_args, runner):
-        new_params = reshard_local(sharded, wplan, rank, transport, keep_storage=True)
-    in_place = sum(1 for n in sharded if new_params[n] is named[n])  # keep_storage: all (same objects, addresses)
+    # In place (keep_storage): a grow compacts, a shrink expands inside each parameter's own storage (allocated in
+    # the weights region at start-up) and receives straight into place; what is allocated here is transfer scratch
+    # of at most one chunk per round (and, for a step that is neither, one parameter's new shard at a time, copied
+    # back and freed), outside the memory saver's weights region so none of it stays cached there.
+    spy = _alloc_spy()
+    with torch.no_grad(), spy if spy is not None else contextlib.nullcontext():
+        new_params = reshard_local(sharded, wplan, rank, transport, keep_storage=True, chunk_bytes=chunk_bytes)
+    phase["_in_place"] = sum(1 for n in sharded if new_params[n] is named[n])  # keep_storage: all (same objects)
+    phase["_total"] = len(sharded)
     phase["reshard"] = time.perf_counter() - t
 
     t = time.perf_counter()
@@ -309,21 +380,18 @@ def _switch(self, state: dict[str, str], transport, dst_groups: list[list[int]],
     st.groups = dst.groups
     with compat.weights_region(self.server_args, runner):
         _rebuild(self, new_params, dst.tp_size)
-    lo, hi = kv_heads_for_rank(num_kv_heads, dst.position(rank)[1], dst.tp_size)
+    phase["switch"] = time.perf_counter() - t
+    return None if spy is None else spy.peak
+
+
+def _enter_layout(self, dst: Layout, num_kv_heads: int, phase: dict) -> int:
+    """Phase 5's first half: view the KV storage for the new layout and enter its graphs; returns its KV tokens."""
+    t = time.perf_counter()
+    lo, hi = kv_heads_for_rank(num_kv_heads, dst.position(pool_hooks.STATE.rank)[1], dst.tp_size)
     kv_tokens = kv_room.set_layout(self, num_kv_heads=num_kv_heads, tp=dst.tp_size, head_num=hi - lo)
-    tokens = {m[0]: m[1] for m in moves}
     phase["capture"] = layout_graphs.enter(self, dst.tp_size)  # 0 unless the layout's graphs are captured now
-    state["phase"] = "import"
-    _maybe_fail("import")
-    for rid, kv in incoming.items():
-        _insert_prefix(self, pool, tokens[rid], kv)
-    phase["reseed"] = _reseed(self)
-    phase["switch"] = time.perf_counter() - t - phase["capture"]  # the capture is its own phase
-    _write(path, rank, dict(phase_s=phase, cached_tokens=cached, params_in_place=in_place, params_total=len(sharded),
-                            bytes_moved=sum(t.num_heads * t.num_tokens for t in plan.transfers if not t.is_local
-                                            and t.dst_device == rank) * len(pool.k_buffer) * 2 * pool.head_dim
-                            * pool.k_buffer[0].element_size(),
-                            layout=[list(g) for g in st.groups], kv_heads=int(pool.head_num), kv_tokens=kv_tokens))
+    phase["switch"] += time.perf_counter() - t - phase["capture"]  # the capture is its own phase
+    return kv_tokens
 
 
 def pat_restore_base(self, path: str) -> None:
@@ -353,11 +421,24 @@ def pat_restore_base(self, path: str) -> None:
 
 
 def pat_backup_base(self) -> None:
-    """Host copy of this rank's base-layout parameters (after start-up and after each weight update)."""
+    """Host copy of this rank's base-layout parameters: what a rollback restores. Taken once at start-up and once per
+    weight sync (SglPool.end_weight_update: after its last bucket, not per bucket). Pinned host memory on CUDA; a
+    later backup copies into the same host tensors, so host memory stays one copy of the rank's parameters."""
     st = pool_hooks.STATE
     if Layout(st.groups) != Layout(st.base):
         raise RuntimeError(f"rank {st.rank}: backup outside the base layout ({st.groups} != {st.base})")
-    st.backup = {n: p.detach().to("cpu", copy=True) for n, p in self.tp_worker.model_runner.model.named_parameters()}
+    params = dict(self.tp_worker.model_runner.model.named_parameters())
+    old = st.backup or {}
+    if old.keys() != params.keys() or any(old[n].shape != p.shape or old[n].dtype != p.dtype
+                                          for n, p in params.items()):
+        st.backup = None  # free the stale copy first
+        pin = torch.cuda.is_available() and any(p.is_cuda for p in params.values())
+        old = {n: torch.empty(p.shape, dtype=p.dtype, device="cpu", pin_memory=pin) for n, p in params.items()}
+    with torch.no_grad():
+        for n, p in params.items():
+            old[n].copy_(p.detach())
+    st.backup = old
+    st.backups += 1
 
 
 def pat_fail_next(self, phase: str | None, rank: int | None = None, hang_s: float = 0.0) -> None:
@@ -383,7 +464,7 @@ def pat_pool_info(self, path: str) -> None:
         kv_heads=int(pool.head_num), kv_tokens=int(pool.size), kv_storage=kv_room.storage_ptrs(pool),
         kv_limits=kv_room.limits(self),
         params={n: list(p.shape) for n, p in params.items()}, param_ptrs={n: p.data_ptr() for n, p in params.items()},
-        model_id=id(model), num_running=running, num_waiting=len(self.waiting_queue),
+        model_id=id(model), num_running=running, backups=st.backups, num_waiting=len(self.waiting_queue),
         admission=compat.admission_state(self), attention_id=id(self.tp_worker.model_runner.attn_backend),
         graphs=dict(on=layout_graphs.enabled(self), current=layout_graphs.describe(compat.graph_runner(
             self.tp_worker.model_runner)), layouts=sorted(st.graphs))))

@@ -39,9 +39,10 @@ def build_pool(config: PatRolloutConfig, spec: ModelSpec, base: Layout, *, cost:
                         initial_layout=base, tp_sizes=config.tp_sizes, comm_timeout_s=config.comm_timeout_s,
                         default_timeout_s=config.rpc_deadline_s(),
                         transfer_timeout_floor_s=config.transfer_timeout_floor_s,
-                        transfer_min_bytes_per_s=config.transfer_min_bytes_per_s)
+                        transfer_min_bytes_per_s=config.transfer_min_bytes_per_s,
+                        transfer_chunk_bytes=config.transfer_chunk_bytes)
     reconfigurer = Reconfigurer(group, spec, model_shard_specs(spec, config.max_tp), base,
                                 handoff=config.kv_handoff, cost=cost, dtype_bytes=DTYPE_BYTES[config.dtype],
-                                deadline=config.rpc_deadline_s)
+                                deadline=config.rpc_deadline_s, kv_cap_bytes=config.kv_handoff_cap())
     return RefPool(group, reconfigurer, base, engine, deadline=config.rpc_deadline_s,
                    max_num_seqs=config.max_num_seqs, kv_capacity_tokens=config.num_kv_blocks * config.block_size)

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, NoReturn
 
 from pat_rollout.driver.errors import PoolBrokenError, ReconfigurationError, WorkerError
 from pat_rollout.driver.pool import ReconfigResult
-from pat_rollout.kv.cost import HandoffCost, choose_handoff
+from pat_rollout.kv.cost import HandoffCost, choose_handoff, fit_to_cap
 from pat_rollout.kv.plan import KVPlan, plan_kv
 from pat_rollout.layout import Layout
 from pat_rollout.layout.transition import PlanCache, plan_layout
@@ -59,8 +59,9 @@ class Reconfigurer:
 
     def __init__(self, group: WorkerGroup, spec: ModelSpec, shard_specs: dict, base: Layout, *,
                  handoff: str = "auto", cost: HandoffCost | None = None, dtype_bytes: int = 4,
-                 deadline: Callable[[int], float] | None = None) -> None:
+                 deadline: Callable[[int], float] | None = None, kv_cap_bytes: int | None = None) -> None:
         self.group = group
+        self.kv_cap_bytes = kv_cap_bytes  # most KV bytes one device receives per hand-off (None: no cap)
         self.spec = spec
         self.shard_specs = shard_specs
         self.base = base
@@ -91,7 +92,9 @@ class Reconfigurer:
             assignment = balance_states(states, dst.num_replicas)
             migrated, _, kv_transfers = plan_handoff(
                 states, lambda s: self._method(s, dst), {rid: src.groups[r] for rid, r in old_assignment.items()},
-                {rid: dst.groups[r] for rid, r in assignment.items()}, self.spec.num_kv_heads)
+                {rid: dst.groups[r] for rid, r in assignment.items()}, self.spec.num_kv_heads,
+                cap_bytes=self.kv_cap_bytes, bytes_per_token=lambda tp: self.spec.kv_bytes_per_token(tp,
+                                                                                               self.dtype_bytes))
 
             phase, t = "KV hand-off", time.perf_counter()
             self.group.call(devices, "handoff_kv", kv_transfers, what=phase,
@@ -164,14 +167,36 @@ class Reconfigurer:
 
 
 # ---- steps shared with workers/rebalance.py ---------------------------------------------------------------
+def limit_by_memory(states: list[RequestState], tokens: Callable[[RequestState], int],
+                    dst_groups: Mapping[str, tuple[int, ...]], bytes_per_token: Callable[[int], int],
+                    cap_bytes: int | None) -> tuple[list[RequestState], list[RequestState]]:
+    """(migrate, recompute): the requests of `states` (chosen for migration) whose KV fits `cap_bytes` per receiving
+    device (`kv.cost.fit_to_cap`; None: no cap). A device of a TPk replica receives `bytes_per_token(k)` per token."""
+    if cap_bytes is None:
+        return list(states), []
+    keep, _ = fit_to_cap([(s.request_id, dst_groups[s.request_id],
+                           tokens(s) * bytes_per_token(len(dst_groups[s.request_id]))) for s in states], cap_bytes)
+    kept = set(keep)
+    return [s for s in states if s.request_id in kept], [s for s in states if s.request_id not in kept]
+
+
 def plan_handoff(states: list[RequestState], method: Callable[[RequestState], str],
                  src_groups: Mapping[str, tuple[int, ...]], dst_groups: Mapping[str, tuple[int, ...]],
-                 num_kv_heads: int) -> tuple[list[RequestState], list[RequestState], KVPlan]:
+                 num_kv_heads: int, *, cap_bytes: int | None = None,
+                 bytes_per_token: Callable[[int], int] | None = None) -> tuple[list[RequestState], list[RequestState],
+                                                                                KVPlan]:
     """Split `states` by `method(state)` ("migrate" or "recompute") and plan the KV hand-off of the migrated
-    ones from their replica's devices (`src_groups[request_id]`) to their new replica's (`dst_groups`)."""
+    ones from their replica's devices (`src_groups[request_id]`) to their new replica's (`dst_groups`). With
+    `cap_bytes`, migrated requests whose KV would not fit it on a receiving device are recomputed instead
+    (`limit_by_memory`; `bytes_per_token(tp)`: KV bytes per token a device of a TP `tp` replica receives)."""
     migrated, recomputed = [], []
     for s in states:
         (migrated if method(s) == "migrate" else recomputed).append(s)
+    if cap_bytes is not None:
+        assert bytes_per_token is not None
+        migrated, over = limit_by_memory(migrated, lambda s: s.num_cached_tokens, dst_groups, bytes_per_token,
+                                         cap_bytes)
+        recomputed += over
     moves = [(s.request_id, src_groups[s.request_id], dst_groups[s.request_id], s.num_cached_tokens)
              for s in migrated]
     return migrated, recomputed, plan_kv(moves, num_kv_heads)

@@ -51,6 +51,7 @@ class WorkerInit:
     comm_timeout_s: float = 1800.0  # every collective and transfer; a blocked peer errors out after this
     transfer_timeout_floor_s: float = 5.0  # a KV hand-off or reshard step waits floor + bytes / min rate, at most
     transfer_min_bytes_per_s: float = 100e6  # comm_timeout_s (comm.transport.TransferTimeout)
+    transfer_chunk_bytes: int = 64 << 20  # scratch bound of one transfer round (reshard_local, gather_kv)
 
 
 FAULT_PHASES = ("export", "kv", "reshard", "switch", "import", "step", "rollback", "release", "weights")
@@ -188,13 +189,18 @@ class ShardWorker:
         spec = self.engine.model_spec
         with self._transfer_step():
             self._maybe_fail("kv")
-            self._incoming_kv = gather_kv(transfers, self.device, self.engine.export_kv, self.transport,
-                                          num_layers=spec.num_layers, head_dim=spec.head_dim, dtype=self.engine.dtype)
+            self._incoming_kv = gather_kv(transfers, self.device, self._export_kv, self.transport,
+                                          num_layers=spec.num_layers, head_dim=spec.head_dim, dtype=self.engine.dtype,
+                                          chunk_bytes=self.init.transfer_chunk_bytes)
         elem = torch.tensor([], dtype=self.engine.dtype).element_size()
         mine = transfers.transfers if isinstance(transfers, KVPlan) else transfers
         self._kv_bytes_received = sum(spec.num_layers * 2 * t.num_tokens * t.num_heads * spec.head_dim * elem
                                       for t in mine if t.dst_device == self.device and not t.is_local)
         return time.perf_counter() - t0
+
+    def _export_kv(self, request_id: str, kv_heads: tuple[int, int], tokens: tuple[int, int]) -> torch.Tensor:
+        """Tokens [t0, t1) of an exported request's KV heads (the engine reads the request's KV, then this slices)."""
+        return self.engine.export_kv(request_id, kv_heads)[:, :, tokens[0] : tokens[1]]
 
     def reshard(self, plan: Any) -> float:
         """Free the old KV, then reshard weights in place (grow) or with transfers (shrink)."""
@@ -202,7 +208,8 @@ class ShardWorker:
         with self._transfer_step():
             self._maybe_fail("reshard")
             self.engine.free_exported()
-            self._new_shards = reshard_local(self.engine.named_shards(), plan, self.device, self.transport)
+            self._new_shards = reshard_local(self.engine.named_shards(), plan, self.device, self.transport,
+                                             chunk_bytes=self.init.transfer_chunk_bytes)
         return time.perf_counter() - t0
 
     @contextlib.contextmanager

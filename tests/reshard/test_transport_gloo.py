@@ -31,10 +31,10 @@ def _check_kv(moves: list[KVMove], rank: int, transport: GlooTransport) -> None:
     plan = plan_kv(moves, NUM_KV_HEADS)
     full = {m.request_id: _fake_kv(i, m.num_tokens) for i, m in enumerate(moves)}
 
-    def export(request_id: str, heads: tuple[int, int]) -> torch.Tensor:
-        return full[request_id][:, :, :, heads[0] : heads[1]].clone()
+    def export(request_id: str, heads: tuple[int, int], tokens: tuple[int, int]) -> torch.Tensor:
+        return full[request_id][:, :, tokens[0] : tokens[1], heads[0] : heads[1]].clone()
 
-    got = gather_kv(plan, rank, export, transport, num_layers=L, head_dim=D, dtype=torch.float32)
+    got = gather_kv(plan, rank, export, transport, num_layers=L, head_dim=D, dtype=torch.float32, chunk_bytes=200)
     for m in moves:
         if rank in m.dst_group:
             lo, hi = kv_heads_for_rank(NUM_KV_HEADS, m.dst_group.index(rank), len(m.dst_group))

@@ -85,3 +85,19 @@ def test_initial_tp_above_smallest_tp_is_refused(tiny_models):
     # the static baseline in TP2 and PAT starting in the smallest TP are fine
     assert check_model(dataclasses.replace(cfg, policy="static")).num_kv_heads == 2
     assert check_model(dataclasses.replace(cfg, candidate_tps=(2,))).num_kv_heads == 2
+
+
+def test_page_size_above_one_is_refused_before_start(tiny_models):
+    """The KV hand-off needs single-token slots: page_size > 1 is refused by check_model (before any process starts)
+    and by pool_engine_args (overrides), naming the option."""
+    from pat_rollout.config import PatRolloutConfig
+    from pat_rollout.sglang.pool import check_model, pool_engine_args
+
+    cfg = PatRolloutConfig(model_path=tiny_models["llama"], num_devices=2, backend="sglang", initial_tp=1,
+                           candidate_tps=(1, 2), policy="manual", engine_args={"page_size": 16})
+    with pytest.raises(ValueError, match=r"engine_args\['page_size'\]=16 is not supported.*use page_size=1"):
+        check_model(cfg)
+    with pytest.raises(ValueError, match=r"engine_args\['page_size'\]=64"):
+        pool_engine_args(dataclasses.replace(cfg, engine_args={}), page_size=64)
+    assert check_model(dataclasses.replace(cfg, engine_args={"page_size": 1})).num_kv_heads == 2
+    assert pool_engine_args(dataclasses.replace(cfg, engine_args={}), page_size=1)["page_size"] == 1
