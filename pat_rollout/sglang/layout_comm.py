@@ -122,6 +122,8 @@ def abort_local(state, key: str) -> list[str]:
     if key == ALL:
         comms = [c for tp, co in coords.items() for c in comm_abort.of_coordinator(f"tp{tp}", co)]
         comms += comm_abort.of_coordinator("world", get_world_group())
+        if getattr(state, "transport_group", None) is not None:  # the pool's own transfer group (NCCL: aborted too)
+            comms.append(comm_abort.Communicator("process_group", "transport", state.transport_group))
     else:
         comms = comm_abort.of_coordinator(key, coords[int(key[2:])])
     lines = comm_abort.abort(comms)
@@ -156,7 +158,10 @@ def start_watcher(state, workdir: str) -> threading.Thread | None:
                 except OSError:
                     reason = "?"
                 logger.error("pat: rank %d aborts its communicators of %s: %s", state.rank, key, reason)
-                abort_local(state, key)
+                try:
+                    abort_local(state, key)
+                except Exception:  # e.g. before the groups exist; the watcher goes on
+                    logger.exception("pat: rank %d could not abort its communicators of %s", state.rank, key)
 
     t = threading.Thread(target=watch, name="pat-comm-abort", daemon=True)
     t.start()

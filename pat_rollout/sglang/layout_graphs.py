@@ -22,12 +22,15 @@ tested with a recording capture: `PAT_SGLANG_FAKE_GRAPHS=1` in the environment t
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from dataclasses import dataclass
 from typing import Any
 
 from pat_rollout.sglang import compat, pool_hooks
+
+logger = logging.getLogger(__name__)
 
 FAKE_GRAPHS_ENV = "PAT_SGLANG_FAKE_GRAPHS"
 FAKE_FAIL_ENV = "PAT_SGLANG_FAKE_GRAPHS_FAIL"  # tests: "tp:rank": that rank's recording capture of TP tp raises
@@ -83,9 +86,13 @@ def on_switch_failure(scheduler, phase: str, dst_tp: int) -> None:
         return
     from pat_rollout.sglang import layout_comm
 
-    workdir = json_cfg().get("stack_dir", "")
-    layout_comm.request_abort(workdir, f"rank {st.rank} failed in the first entry (capture) of TP{dst_tp}", dst_tp)
-    layout_comm.abort_local(st, f"tp{dst_tp}")
+    try:  # never hides the switch's own error
+        workdir = json_cfg().get("stack_dir", "")
+        layout_comm.request_abort(workdir, f"rank {st.rank} failed in the first entry (capture) of TP{dst_tp}",
+                                  dst_tp)
+        layout_comm.abort_local(st, f"tp{dst_tp}")
+    except Exception:
+        logger.exception("rank %d: aborting the communicators of TP%d failed", st.rank, dst_tp)
 
 
 def json_cfg() -> dict[str, Any]:

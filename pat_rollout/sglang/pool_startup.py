@@ -72,8 +72,15 @@ def capture_all(pool, out: PoolStartup) -> None:
                                     f"pool was rolled back to its base layout {pool.base} and shut down; start with "
                                     f"TP{tp} out of candidate_tps, graphs off (disable_cuda_graph=True) or "
                                     f"layout_custom_all_reduce=False if memory is short: {e}") from e
+        except BaseException:  # PoolBrokenError and the like: no known layout, nothing to keep
+            pool.shutdown()
+            raise
         out.capture_s[tp] = res.phase_s["capture"]
         out.captured.add(tp)
-        pool.reconfigure(base_tp, {})
+        try:
+            pool.reconfigure(base_tp, {})
+        except BaseException:
+            pool.shutdown()
+            raise
     logger.info("SglPool: decode graphs of TP %s captured at start-up in %s s", sorted(out.captured),
                 {tp: round(s, 3) for tp, s in out.capture_s.items()})
