@@ -39,6 +39,9 @@ class PatRolloutConfig:
     - engine_args: extra SGLang ServerArgs for backend="sglang" (e.g. mem_fraction_static, enable_memory_saver)
       or vLLM EngineArgs for backend="vllm" (e.g. gpu_memory_utilization, max_model_len);
       from verl, gpu_memory_utilization and free_cache_engine fill these.
+    - layout_custom_all_reduce: backend="sglang" on GPUs: give the groups of the layouts other than the base one a
+      custom all-reduce (SGLang's default, about 0.7 GB of device memory per group); False saves it (their graphs
+      then reduce through pynccl).
     - comm_timeout_s: torch.distributed timeout of every collective and transfer between devices, so a peer
       blocked on a failed device errors out instead of waiting forever.
     - rpc_timeout_s, rpc_timeout_per_token_s: every RPC the driver waits on has the deadline
@@ -70,6 +73,7 @@ class PatRolloutConfig:
     planner: dict[str, Any] = field(default_factory=dict)
     seed: int = 0
     engine_args: dict[str, Any] = field(default_factory=dict)
+    layout_custom_all_reduce: bool = True
     comm_timeout_s: float = 120.0
     rpc_timeout_s: float = 60.0
     rpc_timeout_per_token_s: float = 0.05

@@ -181,17 +181,29 @@ def admission_state(scheduler) -> dict:
 
 # ---- build, attention, weights -------------------------------------------------------------------------------
 def build_methods() -> list[tuple[type, str]]:
-    """The methods that build the model, KV pool and attention backend, each to run under the base layout's
-    group. 0.5.23: three Scheduler methods, called after the distributed init. 0.5.12: all three are built in
-    `ModelRunner.initialize`; the distributed init runs earlier in ModelRunner.__init__ (so the scheduler's
-    `init_tp_model_worker` is too early for the pool's groups)."""
+    """The methods that build the model, KV pool and attention backend and capture the start-up CUDA graphs, each to
+    run under the base layout's group. 0.5.23: four Scheduler methods, called after the distributed init; the graphs
+    are captured by `init_all_cuda_graphs`, which `init_model_worker` calls itself after the other three, so it is
+    wrapped too (unwrapped, a TP2+ base would capture a WORLD-sized all-reduce: a hang or a sum over replicas on
+    replay). 0.5.12: all four happen in `ModelRunner.initialize` (its `init_device_graphs` included); the
+    distributed init runs earlier in ModelRunner.__init__ (so the scheduler's `init_tp_model_worker` is too early
+    for the pool's groups)."""
     from sglang.srt.managers.scheduler import Scheduler
 
     if hasattr(Scheduler, "init_memory_pools"):
-        return [(Scheduler, n) for n in ("init_tp_model_worker", "init_memory_pools", "init_all_attention_backends")]
+        return [(Scheduler, n) for n in ("init_tp_model_worker", "init_memory_pools", "init_all_attention_backends",
+                                         "init_all_cuda_graphs")]
     from sglang.srt.model_executor.model_runner import ModelRunner
 
     return [(ModelRunner, "initialize")]
+
+
+def startup_capture_method() -> tuple[type, str]:
+    """The ModelRunner method SGLang captures its start-up graphs in (inside a `build_methods` one): 0.5.23
+    `init_cuda_graphs` (from `Scheduler.init_all_cuda_graphs`), 0.5.12 `init_device_graphs` (from `initialize`)."""
+    from sglang.srt.model_executor.model_runner import ModelRunner
+
+    return ModelRunner, "init_cuda_graphs" if hasattr(ModelRunner, "init_cuda_graphs") else "init_device_graphs"
 
 
 def weight_update_method() -> tuple[type, str]:

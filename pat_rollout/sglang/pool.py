@@ -27,6 +27,7 @@ from pat_rollout.driver.pool import Pool, ReconfigResult
 from pat_rollout.engine.base import EngineSnapshot, StepResult
 from pat_rollout.kv.cost import HandoffCost
 from pat_rollout.layout import Layout
+from pat_rollout.sglang import layout_comm  # stdlib/torch only at import
 from pat_rollout.types import ModelSpec, Request, RequestOutput, RequestState
 from pat_rollout.workers.reconfigure import balance_states, handoff_method, limit_by_memory
 
@@ -87,6 +88,7 @@ def launch_pool_engine(config: PatRolloutConfig, layouts: dict[int, Layout], dev
 
     env = engine_env(config.num_devices, device)
     env["SGLANG_ENABLE_RANK_CONSENSUS_CHECKER"] = "0"  # ranks of different replicas diverge by design
+    env.update(layout_comm.engine_env(config.layout_custom_all_reduce))  # --- (#35)
     base = Layout.uniform(config.num_devices, config.initial_tp)
     env[POOL_ENV] = json.dumps({"base": [list(g) for g in base.groups],
                                 "layouts": {str(tp): [list(g) for g in lay.groups] for tp, lay in layouts.items()},
@@ -168,6 +170,9 @@ class SglPool(Pool):
                              f"page_size=1: set engine_args['page_size']=1 or an attention backend with pages of 1")
         self._rpc("pat_backup_base")
         self._backup_stale = False  # weights updated since the last host backup (end_weight_update takes one)
+        from pat_rollout.sglang import pool_startup  # --- start-up communicators and captures (#35)
+
+        self.startup = pool_startup.prepare(self)  # --- (#35)
         logger.info("SglPool up in %.1f s: %d SGLang ranks on %s, layout %s", self.startup_s, self.num_devices,
                     self.device, base)
 
@@ -212,6 +217,7 @@ class SglPool(Pool):
         from pat_rollout.sglang.rank_rpc import is_gone
 
         if dead := [rank for rank, pid in sorted(self.pids.items()) if is_gone(pid)]:
+            layout_comm.request_abort(self.workdir, f"{what}: rank(s) {dead} died")  # --- NCCL abort (#35)
             raise WorkerError(f"SglPool {what}: the scheduler process of rank(s) {dead} died "
                               f"(pids {[self.pids[r] for r in dead]})", dead, unresponsive=True)
 
@@ -221,6 +227,7 @@ class SglPool(Pool):
         in the request broadcast: their admission diverged)."""
         from pat_rollout.sglang.pool_hooks import STACK_DUMP_SIGNAL, stack_dump_path
 
+        layout_comm.request_abort(self.workdir, "an RPC missed its deadline")  # --- NCCL abort (#35)
         for pid in self.pids.values():
             try:
                 os.kill(pid, STACK_DUMP_SIGNAL)
@@ -234,6 +241,7 @@ class SglPool(Pool):
 
     def _engine_timeout(self, e: Exception, what: str, ranks: Iterable[int]) -> WorkerError:
         ranks = sorted(ranks) or list(range(self.num_devices))
+        layout_comm.request_abort(self.workdir, f"{what} missed its deadline on rank(s) {ranks}")  # --- (#35)
         return WorkerError(f"SglPool {what}: {e} (PatRolloutConfig.rpc_deadline_s); scheduler rank(s) {ranks} "
                            f"made no progress", ranks, unresponsive=True)
 

@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from pat_rollout.sglang import compat, replica_input
+from pat_rollout.sglang import compat, layout_comm, replica_input
 
 POOL_ENV = "PAT_SGLANG_POOL"
 # Per-replica input (`replica_input`) unless "0": then SGLang's own broadcast over the whole pool (lockstep), kept
@@ -99,13 +99,16 @@ def _build_groups(state: PoolState) -> None:
     backend = dist.get_backend(world.device_group)
     # On GPUs (NCCL) the cached groups get the communicators SGLang's own TP group gets (pynccl, custom all-reduce:
     # SGLang's defaults, None), which CUDA graph capture and replay use; untested on a GPU. Elsewhere none.
-    comm = None if backend == "nccl" else False
-    for tp, groups in sorted(state.layouts.items()):
-        if tp == state.world:
-            continue
-        state.coordinators[tp] = init_model_parallel_group(
-            [list(g) for g in groups], world.local_rank, backend, use_pynccl=comm, use_custom_allreduce=comm,
-            group_name=f"pat_tp{tp}")
+    # Made eagerly and measured, before the KV pool is sized (layout_comm, issue #35).
+    with layout_comm.measured():  # --- layout_comm (#35)
+        for tp, groups in sorted(state.layouts.items()):
+            if tp == state.world:
+                continue
+            use_pynccl, use_car = layout_comm.comm_flags(backend, tp, len(state.base[0]))  # --- layout_comm (#35)
+            state.coordinators[tp] = init_model_parallel_group(
+                [list(g) for g in groups], world.local_rank, backend, use_pynccl=use_pynccl,
+                use_custom_allreduce=use_car, group_name=f"pat_tp{tp}")
+        layout_comm.warm_up(state)  # --- layout_comm (#35)
 
 
 class _LeaderSender:

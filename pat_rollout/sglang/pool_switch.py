@@ -230,6 +230,7 @@ def pat_switch(self, dst_groups: list[list[int]], moves: list[list[Any]], path: 
     except BaseException as e:
         if state["phase"] in ("kv", "reshard"):
             transport.abort()
+        layout_graphs.on_switch_failure(self, state["phase"], len(dst_groups[0]))  # --- abort (#35)
         with contextlib.suppress(AttributeError):
             e.pat_phase = state["phase"]
         error = e

@@ -43,18 +43,31 @@ def pat_check_inventory(self, path: str) -> None:
         json.dump(dict(missing=inventory.check_live(inventory.SCHEDULER, scheduler=self, world=world)), f)
 
 
-RPC_METHODS = {f.__name__: f for f in (pat_save_params, pat_check_inventory)}
+def pat_comm_info(self, path: str) -> None:
+    """What this rank's layout communicators took at start-up (`layout_comm.INFO`) and which were aborted."""
+    import json
+
+    from pat_rollout.sglang import layout_comm, pool_hooks
+
+    st = pool_hooks.STATE
+    with open(f"{path}.rank{st.rank}.json", "w") as f:
+        json.dump(dict(layout_comm.INFO, custom_ar={str(k): v for k, v in layout_comm.INFO["custom_ar"].items()},
+                       aborted=layout_comm.ABORTED, graphs=sorted(st.graphs)), f)
+
+
+RPC_METHODS = {f.__name__: f for f in (pat_save_params, pat_check_inventory, pat_comm_info)}
 
 
 def install() -> None:
     from sglang.srt.managers.scheduler import Scheduler
 
-    from pat_rollout.sglang import debug_hooks, memory_spy, pool_hooks, pool_switch, rank_rpc
+    from pat_rollout.sglang import debug_hooks, layout_graphs, memory_spy, pool_hooks, pool_switch, rank_rpc
 
     compat.apply_cpu_workarounds()
     for name, fn in {**RPC_METHODS, **pool_switch.RPC_METHODS, **memory_spy.RPC_METHODS}.items():
         setattr(Scheduler, name, rank_rpc.reporting(fn))  # each rank writes how it ended (SglPool._rpc)
-    pool_hooks.install()
+    if pool_hooks.install():
+        layout_graphs.install()  # tests only: PAT_SGLANG_FAKE_GRAPHS records the start-up capture too
     debug_hooks.install()  # tests only: PAT_SGLANG_SAMPLED_LOG, PAT_SGLANG_STEP_LOG
     memory_spy.install()  # tests only: PAT_SGLANG_MEMORY_SPY
 
@@ -68,5 +81,8 @@ def run_scheduler_process(*args: Any, **kwargs: Any) -> None:
 
     if pool_hooks.STATE is not None:  # the WORLD rank: SGLang's 4th positional argument, tp_rank
         pool_hooks.set_rank(int(kwargs["tp_rank"] if "tp_rank" in kwargs else args[3]))
+        from pat_rollout.sglang import layout_comm, layout_graphs
+
+        layout_comm.start_watcher(pool_hooks.STATE, layout_graphs.json_cfg().get("stack_dir", ""))
 
     sglang_run(*args, **kwargs)
