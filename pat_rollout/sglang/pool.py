@@ -103,8 +103,8 @@ def pool_engine_args(config: PatRolloutConfig, **overrides: Any) -> dict[str, An
     """The ServerArgs an SglPool sets on top of `launch.server_kwargs` (`overrides`, e.g. engine_args, win).
     Overlap scheduling stays on (SGLang's default): a switch RPC first processes the batch still in flight
     (`pool_switch._drain`, as SGLang's own pause does). Decode CUDA graphs are off
-    unless `engine_args={"disable_cuda_graph": False}` (a GPU; each layout then captures its own on first use,
-    `layout_graphs`; untested on a GPU); prefill (piecewise) graphs are always off: their runner keeps the base
+    unless `engine_args={"disable_cuda_graph": False}` (a GPU; every candidate layout captures its own at start-up,
+    `layout_graphs`, `pool_startup`; untested on a GPU); prefill (piecewise) graphs are always off: their runner keeps the base
     layout's attention layers. `max_running_requests` per rank, i.e. per replica, as verl's SGLang server
     passes its `max_num_seqs`. A SIGQUIT from a failed scheduler must not kill the driver's process
     (`rank_rpc.child_failed`). Imports sglang: call with the engine's environment set."""

@@ -83,7 +83,7 @@ def test_sglang_gpu_equals_hf_and_switch():
 @pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graphs-per-layout"])
 @pytest.mark.parametrize("handoff", ["migrate", "recompute"])
 def test_sglang_pool_gpu_switch_equals_unswitched(handoff, graphs):
-    """Grow, shrink, grow again and shrink: with decode CUDA graphs on, each layout captures on its first entry and
+    """Grow, shrink, grow again and shrink: with decode CUDA graphs on, every layout is captured at start-up and
     replays its own graphs on re-entry (`layout_graphs`)."""
     if torch.cuda.device_count() < 2:
         pytest.skip("the pool switch needs 2 GPUs")
