@@ -16,7 +16,7 @@ import time
 
 from pat_rollout.planner.policy import PlannerConfig
 from pat_rollout.profile.published import GPUS, MODELS, VARIANTS
-from pat_rollout.sim.compare import compare, format_table, gpu_setup, summary_line
+from pat_rollout.sim.compare import compare, format_table, gpu_setup, room_line, summary_line
 from pat_rollout.sim.lengths import LengthsOptions, read_lengths
 from pat_rollout.sim.traces import deepscaler_like, uniform_trace, verl_like
 
@@ -73,9 +73,9 @@ def main(argv: list[str] | None = None) -> None:
             t0 = time.perf_counter()
             cmp = compare(hw, planner_model, trace, num_devices=args.num_devices, planner_config=cfg,
                           initial_tp=args.initial_tp, with_oracle=not args.no_oracle)
-            print(f"\n[{variant} TP-cost variant] {hw.name}, {args.num_devices} GPUs, KV tokens per replica "
-                  f"{hw.kv_tokens}; planner profile: {args.planner_variant} x {1 + args.planner_error:g} "
-                  "(SIMULATED from published figures, not measured)")
+            print(f"\n[{variant} TP-cost variant] {hw.name}, {args.num_devices} GPUs; planner profile: "
+                  f"{args.planner_variant} x {1 + args.planner_error:g} (SIMULATED from published figures, not "
+                  f"measured)\n{room_line(hw)}")
             print(format_table(cmp))
             print(summary_line(cmp) + f"  ({time.perf_counter() - t0:.1f}s)")
 
