@@ -20,8 +20,8 @@ once tp > num_kv_heads) and the replica holds room / that many tokens (`tokens_i
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 

@@ -2,8 +2,17 @@ from __future__ import annotations
 
 import pytest
 
-from pat_rollout.planner.capacity import (MemorySpec, block_pool_kv_tokens, blocks_for, kv_room_bytes, layout_kv_tokens,
-                                         pool_kv_tokens, replica_kv_tokens, stock_kv_tokens, tokens_in_room)
+from pat_rollout.planner.capacity import (
+    MemorySpec,
+    block_pool_kv_tokens,
+    blocks_for,
+    kv_room_bytes,
+    layout_kv_tokens,
+    pool_kv_tokens,
+    replica_kv_tokens,
+    stock_kv_tokens,
+    tokens_in_room,
+)
 
 H100_VERL = MemorySpec(hbm_bytes=80e9, mem_fraction=0.6, activation_reserve_bytes=2e9)
 LLAMA_W = 2 * 8_030_261_248
