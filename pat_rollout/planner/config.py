@@ -32,7 +32,9 @@ class PlannerConfig:
       (tuned by `lookahead`), or "auto" (default): the lookahead where the batch's predicted KV peak exceeds some
       candidate layout's room (`Planner.capacity_bound`: admission queue, preemption and re-prefill are then
       what decides), the drain estimate where it fits every layout (there it chose well and costs least); see
-      docs/planner_results.md for the rows each wins."""
+      docs/planner_results.md for the rows each wins.
+    - lookahead_every_steps: under "auto", after an evaluation that needed the lookahead, the next waits this
+      many steps (a capacity-bound stage changes slowly; the lookahead costs ~10-100x the drain estimate)."""
 
     candidate_tps: tuple[int, ...]
     eval_every_steps: int = 64
@@ -52,6 +54,7 @@ class PlannerConfig:
     lookahead: LookaheadConfig = field(default_factory=LookaheadConfig)
     margin: MarginConfig = field(default_factory=MarginConfig)
     estimator: str = "auto"
+    lookahead_every_steps: int = 256
 
     def __post_init__(self) -> None:
         if self.estimator not in ESTIMATORS:
@@ -60,7 +63,7 @@ class PlannerConfig:
             raise ValueError(f"candidate_tps={self.candidate_tps} must be a non-empty tuple of positive ints")
         if len(set(self.candidate_tps)) != len(self.candidate_tps):
             raise ValueError(f"candidate_tps={self.candidate_tps} has duplicates")
-        for name in ("eval_every_steps",):
+        for name in ("eval_every_steps", "lookahead_every_steps"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
         for name in ("min_gain_s", "min_gain_ratio", "min_steps_between_switches", "no_return_steps",

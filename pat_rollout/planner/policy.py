@@ -88,6 +88,7 @@ class Planner:
         self.rebalances: list[int] = []  # steps of this stage's rebalances
         self.last_rebalance: RebalanceOption | None = None
         self._last_eval_step: int | None = None
+        self.last_estimator = "drain"
         self.start_decision: Decision | None = None
         self.start_step: int | None = None  # step of this stage's start switch (a switch for min_steps_between_...)
         self.start_explored = False
@@ -166,14 +167,12 @@ class Planner:
         lookahead: its cost is the pause (reshard, migration of the KV the hand-off rule moves, switch);
         re-prefill of the rest is paid inside the lookahead, through admission."""
         est = self.config.estimator
-        if la is None and est == "lookahead":
+        if la is None and (est == "lookahead" or (est == "auto" and state.tp in self.bound_tps(state))):
             la = self.lookahead(state)
         now_s, options = self._evaluate(state, la)
         if la is None and est == "auto":
             allowed = [(o.total_s, o.tp) for o in options if o.allowed]
-            best = min([(now_s, state.tp), *allowed])[1]
-            bound = self.bound_tps(state)
-            if state.tp in bound or best in bound:
+            if min([(now_s, state.tp), *allowed])[1] in self.bound_tps(state):
                 la = self.lookahead(state)
                 now_s, options = self._evaluate(state, la)
         self.last_lookahead = la
@@ -259,11 +258,10 @@ class Planner:
         self.start_steps = {}
         est = self.config.estimator
         tps = [tp for tp in sorted(self.config.candidate_tps) if state.num_devices % tp == 0]
-        out = self._start_options(state, model, tps, est == "lookahead")
-        if est == "auto":
-            best = min((run_s + cost.total_s, tp) for tp, (run_s, cost) in out.items())[1]
-            bound = self.bound_tps(state)
-            if state.tp in bound or best in bound:
+        bound = self.bound_tps(state) if est == "auto" else frozenset()
+        out = self._start_options(state, model, tps, est == "lookahead" or state.tp in bound)
+        if est == "auto" and self.last_estimator == "drain":
+            if min((run_s + cost.total_s, tp) for tp, (run_s, cost) in out.items())[1] in bound:
                 out = self._start_options(state, model, tps, True)
         return out
 
@@ -290,7 +288,9 @@ class Planner:
 
     def choose_start(self, state: ClusterState) -> Decision | None:
         """The layout to start this stage's batch in (before any request is dispatched), or None to stay at
-        `state.tp`. Stays unless another layout is predicted to save more than the margin; explores a layout never
+        `state.tp`. The first stage (no start chosen before: the pool is in its base layout) takes the layout
+        predicted fastest, switch included; later stages stay unless another layout is predicted to save more than
+        the margin; explores a layout never
         measured here once (see explore_max_ratio). Not counted against max_reconfigs_per_stage; the next switch waits
         min_steps_between_switches after it, and an explored layout is not left before a poll in it was measured
         (else the next stage would explore it again). The layout the pool came from is not "left" for no_return_steps:
@@ -302,8 +302,11 @@ class Planner:
         total = {tp: run_s + cost.total_s for tp, (run_s, cost) in options.items()}
         best = min(total, key=lambda tp: (total[tp], tp))
         why = "predicted fastest"
-        if state.tp in total and total[state.tp] - total[best] <= max(cfg.min_gain_s,
-                                                                     self.margin.ratio * total[state.tp]):
+        # The margin keeps a layout some stage started in (`last_start_tp`: the weights were loaded there for this
+        # stage). The first stage's layout is the pool's base, which no estimate chose: the predicted fastest wins.
+        chosen = self.last_start_tp is not None
+        if chosen and state.tp in total and total[state.tp] - total[best] <= max(cfg.min_gain_s,
+                                                                                self.margin.ratio * total[state.tp]):
             best = state.tp
         observed = self.calibration.observed_tps()
         unobserved = [tp for tp in total if tp not in observed and total[tp] <= cfg.explore_max_ratio * total[best]]
@@ -361,7 +364,10 @@ class Planner:
         self.margin.seen(state.step)
         if not state.requests:
             return None
-        if self._last_eval_step is not None and state.step - self._last_eval_step < cfg.eval_every_steps:
+        every = cfg.eval_every_steps
+        if cfg.estimator == "auto" and self.last_estimator == "lookahead":
+            every = max(every, cfg.lookahead_every_steps)  # a capacity-bound stage changes slowly
+        if self._last_eval_step is not None and state.step - self._last_eval_step < every:
             return None
         self._last_eval_step = state.step
         rebalance_why_not = self._rebalance_why_not(state)
