@@ -33,6 +33,9 @@ class PlannerConfig:
       candidate layout's room (`Planner.capacity_bound`: admission queue, preemption and re-prefill are then
       what decides), the drain estimate where it fits every layout (there it chose well and costs least); see
       docs/planner_results.md for the rows each wins.
+    - auto_lookahead_mid_stage: under "auto", also score a running stage by the lookahead while its layout is
+      capacity-bound (off: measured worse, its drawn tails grow too early; the drain estimate then scores it,
+      with no shrink and no move into a layout the batch outgrows).
     - lookahead_every_steps: under "auto", after an evaluation that needed the lookahead, the next waits this
       many steps (a capacity-bound stage changes slowly; the lookahead costs ~10-100x the drain estimate)."""
 
@@ -55,6 +58,7 @@ class PlannerConfig:
     margin: MarginConfig = field(default_factory=MarginConfig)
     estimator: str = "auto"
     lookahead_every_steps: int = 256
+    auto_lookahead_mid_stage: bool = False
 
     def __post_init__(self) -> None:
         if self.estimator not in ESTIMATORS:

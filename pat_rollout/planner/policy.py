@@ -10,6 +10,7 @@ The configuration is planner/config.py's PlannerConfig. Pure stdlib, determinist
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 
@@ -158,23 +159,28 @@ class Planner:
 
     def evaluate(self, state: ClusterState, la: Lookahead | None = None) -> tuple[float, tuple[Option, ...]]:
         """Predicted remaining seconds if we stay, and every candidate layout (no evaluation clock), by the
-        configured estimator (`la` given: that lookahead). "auto": the drain estimate, unless the layout it keeps
-        (staying) or picks (the fastest allowed) is capacity-bound (`bound_tps`): then the lookahead for every
-        layout. The drain estimate ignores KV room, so it is optimistic only about bound layouts: a choice of a
-        fitting layout over them stands, a choice of a bound one needs the engine's mechanics. The lookahead used
-        (or None) is left in `last_lookahead`.
+        configured estimator (`la` given: that lookahead). "auto", by `bound_tps`: in a capacity-bound layout the
+        lookahead scores every layout, and only grows are allowed (the batch has not drained; the lookahead's
+        drawn tails make a shrink's gain its least sure figure); in a fitting layout the drain estimate scores
+        them and a bound layout is not allowed (the drain estimate ignores KV room: it is optimistic exactly
+        there). The lookahead used (or None) is left in `last_lookahead`.
         drain: a regroup's cost charges every request's context to the hand-off (migrated or recomputed).
         lookahead: its cost is the pause (reshard, migration of the KV the hand-off rule moves, switch);
         re-prefill of the rest is paid inside the lookahead, through admission."""
         est = self.config.estimator
-        if la is None and (est == "lookahead" or (est == "auto" and state.tp in self.bound_tps(state))):
+        bound = self.bound_tps(state) if est == "auto" and la is None else frozenset()
+        if la is None and (est == "lookahead" or (state.tp in bound and self.config.auto_lookahead_mid_stage)):
             la = self.lookahead(state)
         now_s, options = self._evaluate(state, la)
-        if la is None and est == "auto":
-            allowed = [(o.total_s, o.tp) for o in options if o.allowed]
-            if min([(now_s, state.tp), *allowed])[1] in self.bound_tps(state):
-                la = self.lookahead(state)
-                now_s, options = self._evaluate(state, la)
+        if bound:
+            out = []
+            for o in options:
+                if o.allowed and state.tp in bound and o.tp < state.tp:
+                    o = dataclasses.replace(o, allowed=False, why_not=f"capacity-bound in tp={state.tp}: no shrink")
+                elif o.allowed and state.tp not in bound and o.tp in bound:
+                    o = dataclasses.replace(o, allowed=False, why_not=f"the batch outgrows tp={o.tp}'s KV room")
+                out.append(o)
+            options = tuple(out)
         self.last_lookahead = la
         self.last_estimator = "drain" if la is None else "lookahead"
         return now_s, options

@@ -142,7 +142,7 @@ def compare(hw: SimHardware, planner_model: LatencyModel, trace: Trace, *, num_d
 def compare_stages(hw: SimHardware, planner_model: LatencyModel, stages: list[Trace], *, num_devices: int,
                    planner_config: PlannerConfig, initial_tp: int = 1, with_oracle: bool = True,
                    with_lookahead: bool = False, room: str = "pool",
-                   progress: Callable[[str], None] | None = None) -> StageRun:
+                   progress: Callable[[str], None] | None = None, oracle_kw: dict | None = None) -> StageRun:
     """Several RL steps of one row: each PAT variant is ONE planner carried across `stages` (its calibration,
     per-prompt history and switch margin carry over, as on a driver). The first stage starts in `initial_tp` (the
     pool's base layout, where the first weights load); each later stage starts in the layout the driver loads the
@@ -150,7 +150,8 @@ def compare_stages(hw: SimHardware, planner_model: LatencyModel, stages: list[Tr
     switch at 0 s happens only where the seen batch says so by more than the switch costs. The first stage's
     `history` seeds the predictor, later stages learn from the earlier stages' finished requests. The first and
     the last stage (the steady state) are run with the statics and the oracle too (once where both stages are the
-    same batch); stages in between run only the planners. `progress(label)` is called after each run."""
+    same batch); stages in between run only the planners. `progress(label)` is called after each run;
+    `oracle_kw`: oracle_search's effort (e.g. policies.QUICK_ORACLE)."""
     tps = _tps(planner_config, num_devices)
     handoff = handoff_cost(planner_model)
     pool = pat_hardware(hw, room)
@@ -181,7 +182,8 @@ def compare_stages(hw: SimHardware, planner_model: LatencyModel, stages: list[Tr
                 if key in fixed:
                     results.extend(r for r in fixed[key] if r.policy == "oracle")
                 else:
-                    results.append(oracle_search(pool, trace, num_devices=num_devices, tps=tps, handoff=handoff)[0])
+                    results.append(oracle_search(pool, trace, num_devices=num_devices, tps=tps, handoff=handoff,
+                                                 **(oracle_kw or {}))[0])
                     note("oracle")
             fixed.setdefault(key, results)
             out.append(Comparison(results=tuple(results), verl_tp=VERL_DEFAULT_TP))
