@@ -7,8 +7,8 @@ cache, a shrink takes it back: the stock engine's room in every layout), per ben
 A shrink on the reclaiming pool that no longer holds a request's KV: the simulator's hand-off places it without
 its KV (`Replica.import_cached` fails) and it is recomputed through admission (re-prefill of prompt + generated
 tokens, paid in the stage's time); mapping and unmapping pages is not charged. Each row prints PAT / best static
-(statics: a stock engine per layout) for both pools, their ratio, and whether the row is capacity-bound (the best
-static layout preempts). Decision rule (#37): build reclaiming if reclaiming / pool >= 3% better at the median of
+(statics: a stock engine per layout) for both pools, their ratio, and whether the row is capacity-bound (PAT on
+the pool or the best static layout preempts). Decision rule (#37): build reclaiming if reclaiming / pool >= 3% better at the median of
 capacity-bound rows or >= 5% on any row.
 """
 
@@ -73,18 +73,23 @@ def main(argv: list[str] | None = None) -> None:
                             f.write(json.dumps(r) + "\n")
                     best = r["best_static_s"]
                     print(f"{model:<10} {gpu:<4} {variant:<7} {name:<16} {r['best_static']:>4} "
-                          f"{'yes' if r['best_static_preempted'] else 'no':>5} {r['pool_s'] / best:>9.3f} "
+                          f"{'yes' if bound_row(r) else 'no':>5} {r['pool_s'] / best:>9.3f} "
                           f"{r['reclaiming_s'] / best:>9.3f} {r['reclaim_vs_pool']:>9.3f}  {r['pool_layouts']} | "
                           f"{r['reclaiming_layouts']}", flush=True)
     summarize(rows)
     print(f"({len(rows)} rows in {time.perf_counter() - t0:.0f}s)")
 
 
+def bound_row(r: dict) -> bool:
+    """A row where some stage is capacity-bound: PAT on the pool's room or the best static layout preempted."""
+    return bool(r["pool_preempted"] or r["best_static_preempted"])
+
+
 def summarize(rows: list[dict]) -> None:
     if not rows:
         return
     ratio = [r["reclaim_vs_pool"] for r in rows]
-    bound = [r["reclaim_vs_pool"] for r in rows if r["best_static_preempted"]]
+    bound = [r["reclaim_vs_pool"] for r in rows if bound_row(r)]
     for label, key in (("PAT pool / best static", "pool_s"), ("PAT reclaiming / best static", "reclaiming_s")):
         xs = [r[key] / r["best_static_s"] for r in rows]
         print(f"{label}: {len(xs)} rows, median {statistics.median(xs):.3f}, worst {max(xs):.3f}, best {min(xs):.3f}")
