@@ -18,6 +18,7 @@ Decision (issue #26): build mixed layouts for real if mixed / uniform <= 0.98 at
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import time
@@ -27,7 +28,7 @@ from pat_rollout.bench.sim_policies import traces
 from pat_rollout.kv.cost import handoff_cost
 from pat_rollout.planner.policy import Planner, PlannerConfig
 from pat_rollout.profile.published import VARIANTS
-from pat_rollout.sim.compare import engine_spec, gpu_setup
+from pat_rollout.sim.compare import engine_spec, gpu_setup, pat_hardware
 from pat_rollout.sim.mixed_oracle import mixed_oracle
 from pat_rollout.sim.mixed_pat import run_mixed_pat
 from pat_rollout.sim.policies import PlannerPolicy, oracle_search, run_policy
@@ -45,6 +46,7 @@ def rows(models: str, gpus: str, variants: str, names: str) -> list[tuple[str, s
 def run_row(model: str, gpu: str, variant: str, trace_name: str, *, num_devices: int, seed: int, grid: int,
             passes: int, mixed_passes: int, beam: int, max_rebalances: int) -> dict:
     hw, planner_model = gpu_setup(gpu, model, variant)
+    hw = pat_hardware(hw)  # the oracles switch the pool: its room per layout (#37)
     trace = dict(traces(None, seed))[trace_name]
     handoff = handoff_cost(planner_model)
     t0 = time.perf_counter()
@@ -67,14 +69,16 @@ def run_pat_row(model: str, gpu: str, variant: str, trace_name: str, *, num_devi
                 **_: object) -> dict:
     """Uniform PAT and mixed PAT on one row, each with a fresh planner (the same configuration)."""
     hw, planner_model = gpu_setup(gpu, model, variant)
+    hw = pat_hardware(hw)  # the pool's room per layout (#37)
     trace = dict(traces(None, seed))[trace_name]
     handoff = handoff_cost(planner_model)
     cfg = PlannerConfig(candidate_tps=TPS)
+    drain = dataclasses.replace(cfg, estimator="drain")  # MixedPlanner's estimator
     t0 = time.perf_counter()
     uni = run_policy(hw, trace, PlannerPolicy(Planner(planner_model, cfg, engine=engine_spec(hw)), 1, trace),
                      num_devices=num_devices, handoff=handoff)
     t1 = time.perf_counter()
-    mix = run_mixed_pat(hw, trace, Planner(planner_model, cfg, engine=engine_spec(hw)), num_devices=num_devices,
+    mix = run_mixed_pat(hw, trace, Planner(planner_model, drain, engine=engine_spec(hw)), num_devices=num_devices,
                         handoff=handoff)
     kinds = [getattr(d, "action", "") for d in mix.decisions]
     return {"model": model, "gpu": gpu, "variant": variant, "trace": trace_name,

@@ -31,8 +31,9 @@ from pathlib import Path
 
 from pat_rollout.planner.policy import PlannerConfig
 from pat_rollout.profile.published import VARIANTS
-from pat_rollout.sim.compare import Comparison, compare, compare_stages, gpu_setup
+from pat_rollout.sim.compare import ROOMS, Comparison, compare, compare_stages, gpu_setup, room_line
 from pat_rollout.sim.lengths import read_lengths
+from pat_rollout.sim.policies import QUICK_ORACLE
 from pat_rollout.sim.traces import Trace, deepscaler_like, rl_stages, verl_like
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "sim" / "data" / "example_lengths.csv"
@@ -64,6 +65,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--mixed-beam", type=int, default=1, help="mixed oracle: schedules scanned per later pass")
     ap.add_argument("--traces", default="", help="comma-separated trace names to run (default: all)")
     ap.add_argument("--stages", type=int, default=1, help="RL steps per row, one planner carried across them")
+    ap.add_argument("--quick-oracle", action="store_true",
+                    help="with --stages: the oracle's quick search (sim.policies.QUICK_ORACLE), as sim --lengths")
+    ap.add_argument("--room", default="pool", choices=ROOMS,
+                    help="KV room of PAT's pool: pool (today's SGLang pool: its TP1 storage re-viewed) or "
+                         "reclaiming (a grow gives freed weight memory to the KV cache: the stock room)")
     args = ap.parse_args(argv)
     cfg = PlannerConfig(candidate_tps=(1, 2, 4, 8))
     t_all = time.perf_counter()
@@ -88,19 +94,22 @@ def main(argv: list[str] | None = None) -> None:
         "Mixed oracle / uniform oracle", "Mixed PAT / PAT")}
     for model in args.models.split(","):
         for gpu in args.gpus.split(","):
-            print("\n" + hdr)
+            hw, _ = gpu_setup(gpu, model, VARIANTS[0])
+            print(f"\n{model} {gpu}: {room_line(hw)}; PAT runs on: {args.room}\n" + hdr)
             for variant in args.variants.split(","):
                 hw, planner_model = gpu_setup(gpu, model, variant)
                 for name, trace in trs:
                     if args.stages > 1:
                         run = compare_stages(hw, planner_model, rl_stages(trace, args.stages),
                                              num_devices=args.num_devices, planner_config=cfg,
-                                             with_oracle=not args.no_oracle, with_lookahead=la)
+                                             with_oracle=not args.no_oracle, with_lookahead=la, room=args.room,
+                                             oracle_kw=QUICK_ORACLE if args.quick_oracle else None)
                         cmps = zip(tags, [run.first, run.steady])
                     else:
                         cmps = zip(tags, [compare(hw, planner_model, trace, num_devices=args.num_devices,
                                                   planner_config=cfg, with_oracle=not args.no_oracle,
-                                                  with_lookahead=la, mixed=mixed, with_mixed_pat=mpat)])
+                                                  with_lookahead=la, mixed=mixed, with_mixed_pat=mpat,
+                                                  room=args.room)])
                     for tag, cmp in cmps:
                         _row(cmp, tag, model, gpu, variant, name, trace, la, mixed, ratios)
     print()

@@ -3,7 +3,16 @@
 blocks per request) and the SGLang pool (`sglang.kv_room`: its fixed KV storage re-viewed at every switch).
 
 Per device: KV room = mem_fraction x HBM - weights / tp - activation reserve (`kv_room_bytes`; the SGLang pool
-instead measures the storage SGLang allocated). A TP group of `tp` devices shards the KV heads, so one token
+instead measures the storage SGLang allocated).
+
+The room per layout differs by backend (`layout_kv_tokens`, one rule per backend, read by the simulator and the
+planner):
+- "stock": a stock engine launched at each TP: weights / tp per device, the rest KV (`stock_kv_tokens`).
+- "sglang-pool": pat_rollout's SGLang pool keeps every device's base-layout weight storage in every layout (stable
+  addresses) and re-views the KV storage allocated at the base layout, so a TPk replica holds k x the base TP1
+  replica's tokens (`pool_kv_tokens`; sglang/kv_room.py applies the same `tokens_in_room` to its storage).
+- "ref-pool": the reference engine's fixed block pool per rank, every rank holding its share of the heads: the
+  same tokens per replica at every TP (`block_pool_kv_tokens`). A TP group of `tp` devices shards the KV heads, so one token
 costs kv_bytes_per_token * ceil(num_kv_heads / tp) / num_kv_heads bytes on each device (heads are replicated
 once tp > num_kv_heads) and the replica holds room / that many tokens (`tokens_in_room`). Pure stdlib.
 """
@@ -11,6 +20,7 @@ once tp > num_kv_heads) and the replica holds room / that many tokens (`tokens_i
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -79,3 +89,47 @@ def blocks_for(num_tokens: int, block_size: int) -> int:
     if block_size < 1:
         raise ValueError(f"block_size={block_size} must be >= 1")
     return -(-num_tokens // block_size)
+
+
+def stock_kv_tokens(mem: MemorySpec, *, param_bytes: float, kv_bytes_per_token: int, num_kv_heads: int,
+                    tps: Sequence[int]) -> dict[int, int]:
+    """Tokens one replica of each TP holds in a stock engine launched at that TP (weights / tp per device)."""
+    return {tp: replica_kv_tokens(mem, param_bytes=param_bytes, kv_bytes_per_token=kv_bytes_per_token,
+                                  num_kv_heads=num_kv_heads, tp=tp) for tp in tps}
+
+
+def pool_kv_tokens(mem: MemorySpec, *, param_bytes: float, kv_bytes_per_token: int, num_kv_heads: int,
+                   tps: Sequence[int], base_tp: int | None = None) -> dict[int, int]:
+    """Tokens one replica of each TP holds in the SGLang pool: the KV storage allocated at the base layout
+    (`base_tp`, default the smallest of `tps`: full base-layout weights kept on every device in every layout),
+    re-viewed for each TP's heads per device."""
+    base = min(tps) if base_tp is None else base_tp
+    room = kv_room_bytes(mem, param_bytes=param_bytes, tp=base)
+    if room <= 0:
+        replica_kv_tokens(mem, param_bytes=param_bytes, kv_bytes_per_token=kv_bytes_per_token,
+                          num_kv_heads=num_kv_heads, tp=base)  # raises, naming every operand
+    return {tp: tokens_in_room(room, kv_bytes_per_token=kv_bytes_per_token, num_kv_heads=num_kv_heads, tp=tp)
+            for tp in tps}
+
+
+def block_pool_kv_tokens(*, num_kv_blocks: int, block_size: int, tps: Sequence[int]) -> dict[int, int]:
+    """Tokens one replica of each TP holds in the reference engine's pool: `num_kv_blocks` blocks of `block_size`
+    tokens per rank, every rank holding its share of the heads of every token (engine/ref/block_manager.py)."""
+    if num_kv_blocks < 1 or block_size < 1:
+        raise ValueError(f"num_kv_blocks={num_kv_blocks} and block_size={block_size} must be >= 1")
+    return {tp: num_kv_blocks * block_size for tp in tps}
+
+
+ROOMS = ("stock", "sglang-pool", "ref-pool")
+
+
+def layout_kv_tokens(room: str, mem: MemorySpec, *, param_bytes: float, kv_bytes_per_token: int, num_kv_heads: int,
+                     tps: Sequence[int]) -> dict[int, int]:
+    """Tokens per replica of each TP under backend `room` ("stock" or "sglang-pool"; the reference pool's room
+    is its block count: `block_pool_kv_tokens`)."""
+    kw = dict(param_bytes=param_bytes, kv_bytes_per_token=kv_bytes_per_token, num_kv_heads=num_kv_heads, tps=tps)
+    if room == "stock":
+        return stock_kv_tokens(mem, **kw)
+    if room == "sglang-pool":
+        return pool_kv_tokens(mem, **kw)
+    raise ValueError(f"room={room!r}: expected 'stock' or 'sglang-pool' (the ref pool: block_pool_kv_tokens)")

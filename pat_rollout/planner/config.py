@@ -8,7 +8,7 @@ from pat_rollout.planner.lookahead import LookaheadConfig
 from pat_rollout.planner.margin import MarginConfig
 from pat_rollout.planner.predictor import PredictorConfig
 
-ESTIMATORS = ("drain", "lookahead")
+ESTIMATORS = ("drain", "lookahead", "auto")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -28,9 +28,16 @@ class PlannerConfig:
     - rebalance: also consider moving requests between the current replicas (where the pool can).
     - max_rebalances_per_stage: hard cap on rebalances per stage; min_steps_between_switches also spaces
       rebalances from any earlier action.
-    - estimator: how actions are scored (module doc): "drain" (default) or "lookahead" (tuned by `lookahead`).
-      Off by default until a steady-state table shows it better (issue #24); the driver calls decide()
-      synchronously every poll (bench.planner_speed, 1024 requests, 8 devices: ~19 ms CPU median, 2026-12-05)."""
+    - estimator: how actions are scored (planner/policy.py): "drain" (closed form, no KV room), "lookahead"
+      (tuned by `lookahead`), or "auto" (default): the lookahead where the batch's predicted KV peak exceeds some
+      candidate layout's room (`Planner.capacity_bound`: admission queue, preemption and re-prefill are then
+      what decides), the drain estimate where it fits every layout (there it chose well and costs least); see
+      docs/planner_results.md for the rows each wins.
+    - auto_lookahead_mid_stage: under "auto", also score a running stage by the lookahead while its layout is
+      capacity-bound (off: measured worse, its drawn tails grow too early; the drain estimate then scores it,
+      with no shrink and no move into a layout the batch outgrows).
+    - lookahead_every_steps: under "auto", after an evaluation that needed the lookahead, the next waits this
+      many steps (a capacity-bound stage changes slowly; the lookahead costs ~10-100x the drain estimate)."""
 
     candidate_tps: tuple[int, ...]
     eval_every_steps: int = 64
@@ -49,7 +56,9 @@ class PlannerConfig:
     predictor: PredictorConfig = field(default_factory=PredictorConfig)
     lookahead: LookaheadConfig = field(default_factory=LookaheadConfig)
     margin: MarginConfig = field(default_factory=MarginConfig)
-    estimator: str = "drain"
+    estimator: str = "auto"
+    lookahead_every_steps: int = 256
+    auto_lookahead_mid_stage: bool = False
 
     def __post_init__(self) -> None:
         if self.estimator not in ESTIMATORS:
@@ -58,7 +67,7 @@ class PlannerConfig:
             raise ValueError(f"candidate_tps={self.candidate_tps} must be a non-empty tuple of positive ints")
         if len(set(self.candidate_tps)) != len(self.candidate_tps):
             raise ValueError(f"candidate_tps={self.candidate_tps} has duplicates")
-        for name in ("eval_every_steps",):
+        for name in ("eval_every_steps", "lookahead_every_steps"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
         for name in ("min_gain_s", "min_gain_ratio", "min_steps_between_switches", "no_return_steps",

@@ -43,8 +43,8 @@ class LookaheadConfig:
       simulator: every 16, SchedulerModel.recheck_steps); a request waits up to this many steps too long, and
       a KV-bound layout costs about 16 / this as many chunks."""
 
-    units_per_replica: int = 48
-    units_per_layout: int = 192
+    units_per_replica: int = 96
+    units_per_layout: int = 768
     length_grid: float = 0.02
     admission_recheck_steps: int = 64
 

@@ -138,6 +138,9 @@ class MixedPlanner:
     is not split, and a split block's halves not merged back, for no_return_steps; only_grow forbids splits."""
 
     def __init__(self, planner: Planner, shares: Sequence[float] = SHARES) -> None:
+        if planner.config.estimator != "drain":
+            raise ValueError(f"MixedPlanner scores blocks with the drain estimate; its planner must use "
+                             f"estimator='drain', not {planner.config.estimator!r}")
         self.planner = planner
         self.shares = tuple(shares)
         self.start_stage(planner_too=False)

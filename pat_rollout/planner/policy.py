@@ -10,6 +10,7 @@ The configuration is planner/config.py's PlannerConfig. Pure stdlib, determinist
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 
@@ -67,7 +68,10 @@ class Planner:
         self.calibration = Calibration(CalibrationConfig(alpha=config.calibration_alpha, enabled=config.calibrate))
         self.can_rebalance = can_rebalance
         self.uses_lookahead = config.estimator == "lookahead"
-        if engine is None and self.uses_lookahead:
+        self.last_estimator = "drain"  # the estimator of the latest evaluation ("drain" or "lookahead")
+        self.last_lookahead: Lookahead | None = None  # the lookahead of the latest evaluation, if one was used
+        self._bound_memo: tuple[ClusterState, frozenset[int]] | None = None  # bound_tps of the latest state asked
+        if engine is None and config.estimator != "drain":
             engine = EngineSpec.default_for(model, model.tps)
         self.engine = engine
         self._handoff = handoff_cost(model)
@@ -85,6 +89,7 @@ class Planner:
         self.rebalances: list[int] = []  # steps of this stage's rebalances
         self.last_rebalance: RebalanceOption | None = None
         self._last_eval_step: int | None = None
+        self.last_estimator = "drain"
         self.start_decision: Decision | None = None
         self.start_step: int | None = None  # step of this stage's start switch (a switch for min_steps_between_...)
         self.start_explored = False
@@ -153,14 +158,37 @@ class Planner:
         return out
 
     def evaluate(self, state: ClusterState, la: Lookahead | None = None) -> tuple[float, tuple[Option, ...]]:
-        """Predicted remaining seconds if we stay, and every candidate layout (no evaluation clock).
+        """Predicted remaining seconds if we stay, and every candidate layout (no evaluation clock), by the
+        configured estimator (`la` given: that lookahead). "auto", by `bound_tps`: in a capacity-bound layout the
+        lookahead scores every layout, and only grows are allowed (the batch has not drained; the lookahead's
+        drawn tails make a shrink's gain its least sure figure); in a fitting layout the drain estimate scores
+        them and a bound layout is not allowed (the drain estimate ignores KV room: it is optimistic exactly
+        there). The lookahead used (or None) is left in `last_lookahead`.
         drain: a regroup's cost charges every request's context to the hand-off (migrated or recomputed).
         lookahead: its cost is the pause (reshard, migration of the KV the hand-off rule moves, switch);
         re-prefill of the rest is paid inside the lookahead, through admission."""
+        est = self.config.estimator
+        bound = self.bound_tps(state) if est == "auto" and la is None else frozenset()
+        if la is None and (est == "lookahead" or (state.tp in bound and self.config.auto_lookahead_mid_stage)):
+            la = self.lookahead(state)
+        now_s, options = self._evaluate(state, la)
+        if bound:
+            out = []
+            for o in options:
+                if o.allowed and state.tp in bound and o.tp < state.tp:
+                    o = dataclasses.replace(o, allowed=False, why_not=f"capacity-bound in tp={state.tp}: no shrink")
+                elif o.allowed and state.tp not in bound and o.tp in bound:
+                    o = dataclasses.replace(o, allowed=False, why_not=f"the batch outgrows tp={o.tp}'s KV room")
+                out.append(o)
+            options = tuple(out)
+        self.last_lookahead = la
+        self.last_estimator = "drain" if la is None else "lookahead"
+        return now_s, options
+
+    def _evaluate(self, state: ClusterState, la: Lookahead | None) -> tuple[float, tuple[Option, ...]]:
         model = self.estimator_model()
         tokens = [r.num_tokens for r in state.requests]
-        if self.uses_lookahead:
-            la = la or self.lookahead(state)
+        if la is not None:
             now_s = la.stay_s(state.tp)
             self.stay_steps = la.last_steps
             regroup_s = la.regroup_s  # (remaining seconds, tokens of the requests whose KV the hand-off migrates)
@@ -188,6 +216,25 @@ class Planner:
                                   return_s=back, remaining_steps=steps))
         return now_s, tuple(options)
 
+    def bound_tps(self, state: ClusterState) -> frozenset[int]:
+        """The layouts (the current one and the candidates) whose KV room the batch outgrows: the predicted peak
+        of KV tokens held (`kv_peak`: every request decoding from now on for its predicted mean remaining
+        length), spread over the layout's replicas, above what one replica holds (the engine's spec:
+        `state.reported_spec`, else the planner's; none known: nothing is bound). Memoised per state."""
+        memo = self._bound_memo
+        if memo is not None and memo[0] is state:
+            return memo[1]
+        spec = state.reported_spec or self.engine
+        bound: frozenset[int] = frozenset()
+        if spec is not None and state.requests:
+            pred = self.predict_remaining(state)
+            peak = kv_peak([(r.num_tokens, pred[r.request_id]) for r in state.requests])
+            tps = {state.tp, *(tp for tp in self.config.candidate_tps if state.num_devices % tp == 0)}
+            bound = frozenset(tp for tp in tps if tp in spec.kv_tokens
+                              and peak / (state.num_devices // tp) > spec.capacity(tp))
+        self._bound_memo = (state, bound)
+        return bound
+
     def estimator_model(self) -> LatencyModel:
         """The profile as corrected by this pool's measurements so far."""
         return self.calibration.model(self.model)
@@ -210,10 +257,24 @@ class Planner:
     def start_options(self, state: ClusterState) -> dict[int, tuple[float, TransitionCost]]:
         """For every candidate TP: predicted seconds to dispatch, prefill and drain the batch of `state` (requests
         not started, replica unknown) in that layout, and the cost of switching there from `state.tp` with nothing
-        running."""
+        running. The estimator as in `evaluate`: under "auto", the lookahead when the layout the drain estimate
+        picks or the one the pool is in is capacity-bound (the start layout then follows the batch's size, its
+        prompts and max_new_tokens through the predictor, the KV room per layout and the profile)."""
         model = self.estimator_model()
         self.start_steps = {}
-        if self.uses_lookahead:
+        est = self.config.estimator
+        tps = [tp for tp in sorted(self.config.candidate_tps) if state.num_devices % tp == 0]
+        bound = self.bound_tps(state) if est == "auto" else frozenset()
+        out = self._start_options(state, model, tps, est == "lookahead" or state.tp in bound)
+        if est == "auto" and self.last_estimator == "drain":
+            if min((run_s + cost.total_s, tp) for tp, (run_s, cost) in out.items())[1] in bound:
+                out = self._start_options(state, model, tps, True)
+        return out
+
+    def _start_options(self, state: ClusterState, model: LatencyModel, tps: list[int],
+                       lookahead: bool) -> dict[int, tuple[float, TransitionCost]]:
+        self.last_estimator = "lookahead" if lookahead else "drain"
+        if lookahead:
             la = self.lookahead(state)
 
             def run_s(tp: int) -> float:
@@ -229,16 +290,13 @@ class Planner:
             def run_s(tp: int) -> float:
                 return start_drain_s(model, tp=tp, num_devices=state.num_devices, remaining=remaining,
                                      num_tokens=tokens, prompt_tokens=prompt_tokens)
-        out = {}
-        for tp in sorted(self.config.candidate_tps):
-            if state.num_devices % tp:
-                continue
-            out[tp] = (run_s(tp), self._cost(model, state.num_devices, state.tp, tp, []))
-        return out
+        return {tp: (run_s(tp), self._cost(model, state.num_devices, state.tp, tp, [])) for tp in tps}
 
     def choose_start(self, state: ClusterState) -> Decision | None:
         """The layout to start this stage's batch in (before any request is dispatched), or None to stay at
-        `state.tp`. Stays unless another layout is predicted to save more than the margin; explores a layout never
+        `state.tp`. The first stage (no start chosen before: the pool is in its base layout) takes the layout
+        predicted fastest, switch included; later stages stay unless another layout is predicted to save more than
+        the margin; explores a layout never
         measured here once (see explore_max_ratio). Not counted against max_reconfigs_per_stage; the next switch waits
         min_steps_between_switches after it, and an explored layout is not left before a poll in it was measured
         (else the next stage would explore it again). The layout the pool came from is not "left" for no_return_steps:
@@ -250,8 +308,11 @@ class Planner:
         total = {tp: run_s + cost.total_s for tp, (run_s, cost) in options.items()}
         best = min(total, key=lambda tp: (total[tp], tp))
         why = "predicted fastest"
-        if state.tp in total and total[state.tp] - total[best] <= max(cfg.min_gain_s,
-                                                                     self.margin.ratio * total[state.tp]):
+        # The margin keeps a layout some stage started in (`last_start_tp`: the weights were loaded there for this
+        # stage). The first stage's layout is the pool's base, which no estimate chose: the predicted fastest wins.
+        chosen = self.last_start_tp is not None
+        if chosen and state.tp in total and total[state.tp] - total[best] <= max(cfg.min_gain_s,
+                                                                                self.margin.ratio * total[state.tp]):
             best = state.tp
         observed = self.calibration.observed_tps()
         unobserved = [tp for tp in total if tp not in observed and total[tp] <= cfg.explore_max_ratio * total[best]]
@@ -309,15 +370,18 @@ class Planner:
         self.margin.seen(state.step)
         if not state.requests:
             return None
-        if self._last_eval_step is not None and state.step - self._last_eval_step < cfg.eval_every_steps:
+        every = cfg.eval_every_steps
+        if cfg.estimator == "auto" and self.last_estimator == "lookahead":
+            every = max(every, cfg.lookahead_every_steps)  # a capacity-bound stage changes slowly
+        if self._last_eval_step is not None and state.step - self._last_eval_step < every:
             return None
         self._last_eval_step = state.step
         rebalance_why_not = self._rebalance_why_not(state)
         if rebalance_why_not and not any(not self._why_not(state, tp) for tp in cfg.candidate_tps
                                          if tp != state.tp and state.num_devices % tp == 0):
             return None  # nothing allowed: skip the estimate
-        la = self.lookahead(state) if self.uses_lookahead else None
-        now_s, options = self.evaluate(state, la)
+        now_s, options = self.evaluate(state)
+        la = self.last_lookahead
         self.last_options = options
         allowed = [o for o in options if o.allowed]
         margin = max(cfg.min_gain_s, self.margin.ratio * now_s)
@@ -338,7 +402,7 @@ class Planner:
         # remaining time counts that much more (0 while nothing is measured or the profile is right). A shrink
         # carries no such risk: smaller TPs are where profiles are surest, and a wrong start must be leavable.
         # Lookahead only: measured with it (sim_policies, h100/llama low variant); the drain path stays as it was.
-        err = self.calibration.profile_error() if self.uses_lookahead else 0.0
+        err = self.calibration.profile_error() if self.uses_lookahead else 0.0  # not "auto": measured on neither
         observed = self.calibration.observed_tps()
 
         def risk_s(o: Option) -> float:
@@ -408,6 +472,18 @@ class Planner:
         return Decision(step=state.step, source_tp=state.tp, target_tp=state.tp, predicted_remaining_now_s=now_s,
                         predicted_remaining_target_s=rb.remaining_s, predicted_overhead_s=rb.cost.total_s,
                         reason=reason, action="rebalance", moves=rb.moves)
+
+
+def kv_peak(requests: list[tuple[int, int]]) -> float:
+    """Peak over the steps ahead of the KV tokens held by requests given as (tokens now, remaining tokens), all
+    decoding from now on: at step t the requests with remaining > t hold tokens now + t; the maximum is reached
+    just before one of them finishes."""
+    items = sorted(requests, key=lambda x: -x[1])
+    peak = held = 0.0
+    for k, (now, rem) in enumerate(items, start=1):
+        held += now
+        peak = max(peak, held + k * rem)
+    return peak
 
 
 def _plus(step: int, steps: int | None) -> int | None:

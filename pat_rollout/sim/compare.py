@@ -8,6 +8,7 @@ bracket is true) scaled by (1 + planner_error). The planner predicts lengths wit
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from pat_rollout.kv.cost import handoff_cost
@@ -64,9 +65,32 @@ class StageRun:
     planners: dict[str, Planner]
 
 
+ROOMS = ("pool", "reclaiming")
+
+
 def engine_spec(hw: SimHardware) -> EngineSpec:
-    """What the driver reads from its engine: the scheduler's rules and each layout's per-replica KV tokens."""
+    """What the driver reads from its engine: the scheduler's rules and each layout's per-replica KV tokens (pass
+    the hardware PAT runs on, `pat_hardware`: the pool's room)."""
     return EngineSpec(scheduler=hw.scheduler, kv_tokens=dict(hw.kv_tokens))
+
+
+def pat_hardware(hw: SimHardware, room: str = "pool") -> SimHardware:
+    """The truth PAT and the oracle run on: "pool", the room pat_rollout's pool has in each layout
+    (SimHardware.pool); "reclaiming", a pool that gives the weight memory a grow frees to the KV cache (the
+    stock engine's room, SimHardware.reclaiming). Static layouts run on `hw` itself (a stock engine)."""
+    if room == "pool":
+        return hw.pool()
+    if room == "reclaiming":
+        return hw.reclaiming()
+    raise ValueError(f"room={room!r} must be one of {ROOMS}")
+
+
+def room_line(hw: SimHardware) -> str:
+    """KV tokens per replica of each layout: the stock engine's (statics) and the pool's (PAT, oracle)."""
+    pool = hw.pool().kv_tokens
+    return ("KV tokens per replica, stock engine (statics): "
+            + ", ".join(f"TP{tp} {n / 1e3:.0f}k" for tp, n in sorted(hw.kv_tokens.items()))
+            + "; PAT's pool (PAT, oracle): " + ", ".join(f"TP{tp} {n / 1e3:.0f}k" for tp, n in sorted(pool.items())))
 
 
 def _tps(planner_config: PlannerConfig, num_devices: int) -> list[int]:
@@ -75,6 +99,7 @@ def _tps(planner_config: PlannerConfig, num_devices: int) -> list[int]:
 
 def _planners(hw: SimHardware, planner_model: LatencyModel, planner_config: PlannerConfig,
               with_lookahead: bool) -> dict[str, Planner]:
+    """(`hw`: the hardware PAT runs on, whose room the planner is told.)"""
     """The PAT variants by name: "pat" (planner_config as given) and, with_lookahead, "pat-lookahead"."""
     cfgs = {"pat": planner_config}
     if with_lookahead:
@@ -85,56 +110,82 @@ def _planners(hw: SimHardware, planner_model: LatencyModel, planner_config: Plan
 def compare(hw: SimHardware, planner_model: LatencyModel, trace: Trace, *, num_devices: int,
             planner_config: PlannerConfig, initial_tp: int = 1, verl_tp: int = VERL_DEFAULT_TP,
             with_oracle: bool = True, with_lookahead: bool = False, mixed: dict | None = None,
-            with_mixed_pat: bool = False) -> Comparison:
+            with_mixed_pat: bool = False, room: str = "pool") -> Comparison:
     """static-tp<x> for each candidate tp that divides num_devices, pat (planner_config as given), with_lookahead:
     pat-lookahead (the same config with estimator="lookahead"), and the (switch-only) oracle; `mixed` (keyword
     arguments of sim.mixed_oracle.mixed_oracle, e.g. {} or {"passes": 1}): the uniform oracle with rebalances
     ("oracle-rebalance") and the mixed oracle over buddy layouts, seeded with its schedule; with_mixed_pat:
-    "mixed-pat", planner.mixed over buddy layouts on a fresh planner of the same config as pat."""
+    "mixed-pat", planner.mixed over buddy layouts on a fresh planner of pat's config with the drain estimator. Statics run on
+    `hw` (a stock engine per layout); PAT, its planner's view and the oracles on `pat_hardware(hw, room)`."""
     tps = _tps(planner_config, num_devices)
     handoff = handoff_cost(planner_model)
+    pool = pat_hardware(hw, room)
     out = [run_policy(hw, trace, StaticPolicy(tp), num_devices=num_devices) for tp in tps]
-    for name, planner in _planners(hw, planner_model, planner_config, with_lookahead).items():
-        out.append(run_policy(hw, trace, PlannerPolicy(planner, initial_tp, trace, name=name),
+    for name, planner in _planners(pool, planner_model, planner_config, with_lookahead).items():
+        out.append(run_policy(pool, trace, PlannerPolicy(planner, initial_tp, trace, name=name),
                               num_devices=num_devices, handoff=handoff))
     if with_mixed_pat:
-        planner = _planners(hw, planner_model, planner_config, False)["pat"]
-        out.append(run_mixed_pat(hw, trace, planner, num_devices=num_devices, initial_tp=initial_tp,
+        drain = dataclasses.replace(planner_config, estimator="drain")  # MixedPlanner's estimator
+        planner = _planners(pool, planner_model, drain, False)["pat"]
+        out.append(run_mixed_pat(pool, trace, planner, num_devices=num_devices, initial_tp=initial_tp,
                                  handoff=handoff))
     if with_oracle:
-        out.append(oracle_search(hw, trace, num_devices=num_devices, tps=tps, handoff=handoff)[0])
+        out.append(oracle_search(pool, trace, num_devices=num_devices, tps=tps, handoff=handoff)[0])
     if mixed is not None:
-        uniform = oracle_search(hw, trace, num_devices=num_devices, tps=tps, handoff=handoff, rebalance=True)
+        uniform = oracle_search(pool, trace, num_devices=num_devices, tps=tps, handoff=handoff, rebalance=True)
         out.append(uniform[0])
-        out.append(mixed_oracle(hw, trace, num_devices=num_devices, tps=tps, handoff=handoff, uniform=uniform,
+        out.append(mixed_oracle(pool, trace, num_devices=num_devices, tps=tps, handoff=handoff, uniform=uniform,
                                 **mixed))
     return Comparison(results=tuple(out), verl_tp=verl_tp)
 
 
 def compare_stages(hw: SimHardware, planner_model: LatencyModel, stages: list[Trace], *, num_devices: int,
                    planner_config: PlannerConfig, initial_tp: int = 1, with_oracle: bool = True,
-                   with_lookahead: bool = False) -> StageRun:
+                   with_lookahead: bool = False, room: str = "pool",
+                   progress: Callable[[str], None] | None = None, oracle_kw: dict | None = None) -> StageRun:
     """Several RL steps of one row: each PAT variant is ONE planner carried across `stages` (its calibration,
-    per-prompt history and switch margin carry over, as on a driver), each stage starting where the pool ended the
-    previous one; the first stage's `history` seeds the predictor, later stages learn from the earlier stages'
-    finished requests. The first and the last stage (the steady state) are run with the statics and the oracle
-    too; stages in between run only the planners."""
+    per-prompt history and switch margin carry over, as on a driver). The first stage starts in `initial_tp` (the
+    pool's base layout, where the first weights load); each later stage starts in the layout the driver loads the
+    new weights in, the planner's `next_start_tp` (the layout it chose to start the previous stage in), so a
+    switch at 0 s happens only where the seen batch says so by more than the switch costs. The first stage's
+    `history` seeds the predictor, later stages learn from the earlier stages' finished requests. The first and
+    the last stage (the steady state) are run with the statics and the oracle too (once where both stages are the
+    same batch); stages in between run only the planners. `progress(label)` is called after each run;
+    `oracle_kw`: oracle_search's effort (e.g. policies.QUICK_ORACLE)."""
     tps = _tps(planner_config, num_devices)
     handoff = handoff_cost(planner_model)
-    planners = _planners(hw, planner_model, planner_config, with_lookahead)
+    pool = pat_hardware(hw, room)
+    planners = _planners(pool, planner_model, planner_config, with_lookahead)
     where = dict.fromkeys(planners, initial_tp)
     out: list[Comparison] = []
+    fixed: dict[tuple, list[SimResult]] = {}  # statics and oracle of a batch already scored
+    note = progress or (lambda label: None)
     for i, trace in enumerate(stages):
         scored = i in (0, len(stages) - 1)
-        results = [run_policy(hw, trace, StaticPolicy(tp), num_devices=num_devices) for tp in tps] if scored else []
+        results: list[SimResult] = []
+        key = (trace.records, trace.max_new_tokens)
+        if scored and key not in fixed:
+            for tp in tps:
+                results.append(run_policy(hw, trace, StaticPolicy(tp), num_devices=num_devices))
+                note(f"static TP{tp}")
+        elif scored:
+            results = [r for r in fixed[key] if r.policy.startswith("static")]
         for name, planner in planners.items():
-            r = run_policy(hw, trace, PlannerPolicy(planner, where[name], trace if i == 0 else None, name=name),
+            r = run_policy(pool, trace, PlannerPolicy(planner, where[name], trace if i == 0 else None, name=name),
                            num_devices=num_devices, handoff=handoff)
-            where[name] = r.schedule[-1][1]
+            nxt = planner.next_start_tp()
+            where[name] = nxt if nxt is not None else initial_tp
             results.append(r)
+            note(f"{name} stage {i + 1}/{len(stages)}")
         if scored:
             if with_oracle:
-                results.append(oracle_search(hw, trace, num_devices=num_devices, tps=tps, handoff=handoff)[0])
+                if key in fixed:
+                    results.extend(r for r in fixed[key] if r.policy == "oracle")
+                else:
+                    results.append(oracle_search(pool, trace, num_devices=num_devices, tps=tps, handoff=handoff,
+                                                 **(oracle_kw or {}))[0])
+                    note("oracle")
+            fixed.setdefault(key, results)
             out.append(Comparison(results=tuple(results), verl_tp=VERL_DEFAULT_TP))
     return StageRun(first=out[0], steady=out[-1], planners=planners)
 

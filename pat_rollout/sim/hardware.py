@@ -4,10 +4,11 @@ driver's poll loop and the reconfiguration's phases. Separate from the profile t
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import statistics
 from dataclasses import dataclass, field
 
-from pat_rollout.planner.capacity import MemorySpec, replica_kv_tokens
+from pat_rollout.planner.capacity import MemorySpec, block_pool_kv_tokens, pool_kv_tokens, stock_kv_tokens
 from pat_rollout.planner.engine_model import SchedulerModel, StepModel
 from pat_rollout.profile.model import LatencyModel
 
@@ -56,7 +57,12 @@ class ReconfigModel:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class SimHardware:
-    """Everything true about one pool. `kv_tokens[tp]`: KV tokens one TP=tp replica holds."""
+    """Everything true about one pool. `kv_tokens[tp]`: KV tokens one TP=tp replica holds in the engine these
+    replicas run (a stock engine launched at that TP: the static layouts' truth). `pool_kv_tokens[tp]`: what a
+    replica of pat_rollout's pool holds in that layout (planner.capacity: the SGLang pool's base storage
+    re-viewed, the reference pool's blocks); None: the same as kv_tokens. `pool()` is this hardware as PAT's
+    pool (and the oracle, which switches it) runs it; `reclaiming()` a pool whose grows hand the weight memory
+    they free to the KV cache (and shrinks take it back): the stock room in every layout."""
 
     name: str
     step: StepModel
@@ -66,6 +72,19 @@ class SimHardware:
     scheduler: SchedulerModel = field(default_factory=SchedulerModel)
     driver: DriverModel = field(default_factory=DriverModel)
     reconfig: ReconfigModel = field(default_factory=ReconfigModel)
+    pool_kv_tokens: dict[int, int] | None = None
+
+    def pool(self) -> SimHardware:
+        """The same pool with the room pat_rollout's pool has in each layout (itself when that is kv_tokens)."""
+        if self.pool_kv_tokens is None or self.pool_kv_tokens == self.kv_tokens:
+            return self
+        return dataclasses.replace(self, name=f"{self.name} (pool room)", kv_tokens=dict(self.pool_kv_tokens),
+                                   pool_kv_tokens=None)
+
+    def reclaiming(self) -> SimHardware:
+        """PAT's pool if a grow gave the weight memory it frees to the KV cache (and a shrink took it back): the
+        stock engine's room in every layout; the switch costs are the same (mapping pages is not charged)."""
+        return dataclasses.replace(self, name=f"{self.name} (reclaiming)", pool_kv_tokens=None)
 
     def capacity(self, tp: int) -> int:
         if tp not in self.kv_tokens:
@@ -75,7 +94,8 @@ class SimHardware:
 
 def gpu_hardware(profile: LatencyModel, step: StepModel, *, tps: tuple[int, ...] = (1, 2, 4, 8),
                  driver: DriverModel | None = None, mem_fraction: float | None = None) -> SimHardware:
-    """A GPU pool running SGLang: capacity from the profile's memory section through the shared capacity rule."""
+    """A GPU pool running SGLang: capacity from the profile's memory section through the shared capacity rule:
+    kv_tokens a stock SGLang engine's at each TP, pool_kv_tokens the SGLang pool's (base layout min(tps))."""
     if profile.memory is None:
         raise ValueError(f"profile {profile.meta.get('model')!r} has no memory section: KV capacity is unknown")
     mem = MemorySpec.from_dict(profile.memory)
@@ -83,10 +103,11 @@ def gpu_hardware(profile: LatencyModel, step: StepModel, *, tps: tuple[int, ...]
         mem = MemorySpec(hbm_bytes=mem.hbm_bytes, mem_fraction=mem_fraction,
                          activation_reserve_bytes=mem.activation_reserve_bytes)
     shape = profile.model
-    kv = {tp: replica_kv_tokens(mem, param_bytes=shape.param_bytes, kv_bytes_per_token=shape.kv_bytes_per_token(),
-                                num_kv_heads=shape.num_kv_heads, tp=tp) for tp in tps}
+    kw = dict(param_bytes=shape.param_bytes, kv_bytes_per_token=shape.kv_bytes_per_token(),
+              num_kv_heads=shape.num_kv_heads, tps=tps)
     return SimHardware(name=f"{profile.meta['hardware']} / {profile.meta['model']}", step=step,
-                       param_bytes=shape.param_bytes, kv_bytes_per_token=shape.kv_bytes_per_token(), kv_tokens=kv,
+                       param_bytes=shape.param_bytes, kv_bytes_per_token=shape.kv_bytes_per_token(),
+                       kv_tokens=stock_kv_tokens(mem, **kw), pool_kv_tokens=pool_kv_tokens(mem, **kw),
                        scheduler=SchedulerModel(kind="sglang", max_num_seqs=1024, max_prefill_tokens=16384,
                                                 block_size=1),
                        driver=driver or DriverModel(lockstep=False, poll_interval_s=1.0),
@@ -103,7 +124,7 @@ def ref_cpu_hardware(profile: LatencyModel, *, tps: tuple[int, ...], num_kv_bloc
     shape = profile.model
     return SimHardware(name=f"{profile.meta['hardware']} / {profile.meta['model']}", step=step or profile,
                        param_bytes=shape.param_bytes, kv_bytes_per_token=shape.kv_bytes_per_token(),
-                       kv_tokens={tp: num_kv_blocks * block_size for tp in tps},
+                       kv_tokens=block_pool_kv_tokens(num_kv_blocks=num_kv_blocks, block_size=block_size, tps=tps),
                        scheduler=SchedulerModel(kind="ref", max_num_seqs=max_num_seqs,
                                                 max_prefill_tokens=max_prefill_tokens, block_size=block_size),
                        driver=DriverModel(lockstep=True, steps_per_poll=steps_per_poll, poll_overhead_s=poll_overhead_s,

@@ -183,17 +183,21 @@ class SwitchPolicy:
         return None if not acts else acts[0] if len(acts) == 1 else Batch(actions=tuple(acts))
 
 
-def thresholds(n: int) -> list[int]:
-    """Unfinished-request counts at which the oracle's coarse search may switch, descending."""
-    out = {max(1, n >> i) for i in range(1, 9)} | {8, 4, 2, 1}
+def thresholds(n: int, halvings: int = 8) -> list[int]:
+    """Unfinished-request counts at which the oracle's coarse search may switch, descending: n / 2^i for i up to
+    `halvings`, and 8, 4, 2, 1."""
+    out = {max(1, n >> i) for i in range(1, halvings + 1)} | {8, 4, 2, 1}
     return sorted((x for x in out if x < n), reverse=True)
 
 
-def fine_points(n: int, grid: int) -> list[int]:
+def fine_points(n: int, grid: int, halvings: int = 8) -> list[int]:
     """The refinement's switch points: unfinished counts n * k / grid for k = grid - 1 .. 1 and the coarse
     thresholds below them, descending."""
-    out = {max(1, n * k // grid) for k in range(1, grid)} | set(thresholds(n))
+    out = {max(1, n * k // grid) for k in range(1, grid)} | set(thresholds(n, halvings))
     return sorted((x for x in out if x < n), reverse=True)
+
+
+QUICK_ORACLE = {"halvings": 4, "grid": 8, "passes": 1}  # `python -m pat_rollout.sim`: seconds, not minutes
 
 
 def oracle(hw: SimHardware, trace: Trace, *, num_devices: int, tps: Sequence[int], max_switches: int = 3,
@@ -206,7 +210,7 @@ def oracle(hw: SimHardware, trace: Trace, *, num_devices: int, tps: Sequence[int
 
 def oracle_search(hw: SimHardware, trace: Trace, *, num_devices: int, tps: Sequence[int], max_switches: int = 3,
                   handoff: HandoffCost | None = None, grid: int = 16, passes: int = 3, rebalance: bool = False,
-                  max_rebalances: int = 2) -> tuple[SimResult, int, tuple[tuple[int, int], ...]]:
+                  max_rebalances: int = 2, halvings: int = 8) -> tuple[SimResult, int, tuple[tuple[int, int], ...]]:
     """(result, start tp, schedule as SwitchPolicy takes it) of the best uniform schedule this search finds in
     hindsight: simulated on the truth (it knows every length through it). Schedules switch the whole pool at the
     poll where the unfinished count first drops to a point; with `rebalance` they may also rebalance there
@@ -222,9 +226,11 @@ def oracle_search(hw: SimHardware, trace: Trace, *, num_devices: int, tps: Seque
        `rebalance`, a rebalance (up to `max_rebalances`), the schedule's later entries kept; moving each entry
        to every fine point; and dropping each; keep the best if it improves, up to `passes` passes.
     `rebalance=False` is the switch-only oracle (the PAT columns' baseline: the SGLang pool cannot rebalance).
+    `halvings` sets the coarse points (n / 2 .. n / 2^halvings, and 8, 4, 2, 1); the quick search of
+    `python -m pat_rollout.sim` (QUICK_ORACLE) uses fewer points, a coarser grid and one pass.
     Not exhaustive, so not a bound: a policy below it is flagged by the benchmark, not hidden."""
     n = len(trace.records)
-    thr = thresholds(n)
+    thr = thresholds(n, halvings)
     best: list[tuple[float, int, tuple[tuple[int, int], ...], SimResult]] = []
     name = "oracle-rebalance" if rebalance else "oracle"
 
@@ -278,7 +284,7 @@ def oracle_search(hw: SimHardware, trace: Trace, *, num_devices: int, tps: Seque
     for tp in tps:  # phase 1
         grow(new_sim(tp, ()), tp, (), 0, 2)
         scan(tp, (), thr, lambda c, now: [*tps, *reb])
-    pts = fine_points(n, grid)
+    pts = fine_points(n, grid, halvings)
     for _ in range(passes):  # phase 2
         before = best[0][0]
         _, tp0, sched, _ = best[0]

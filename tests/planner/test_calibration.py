@@ -152,11 +152,16 @@ def test_start_stays_within_the_margin_and_when_switching_costs_more() -> None:
     p = Planner(profile(switch_s=100.0), PlannerConfig(**CFG))
     assert p.choose_start(ClusterState(step=0, num_devices=2, tp=1, requests=reqs(1, 600))) is None
     p = Planner(profile(), PlannerConfig(**{**CFG, "min_gain_ratio": 0.9}))
-    assert p.choose_start(ClusterState(step=0, num_devices=2, tp=1, requests=reqs(1, 600))) is None
+    batch = ClusterState(step=0, num_devices=2, tp=1, requests=reqs(1, 600))
+    first = p.choose_start(batch)  # the first stage: the base layout was no estimate's choice, the fastest wins
+    assert first is not None and first.target_tp == 2 and p.next_start_tp() == 2
+    p.start_stage()
+    p.last_start_tp = 1  # a later stage, whose start (and weight load) was chosen in TP1: the margin keeps it
+    assert p.choose_start(batch) is None
 
 
 def test_start_explores_a_layout_the_profile_wrongly_rules_out_once() -> None:
-    p = Planner(profile(tp2_scale=1.5), PlannerConfig(**CFG))
+    p = Planner(profile(tp2_scale=2.0), PlannerConfig(**CFG))
     batch = ClusterState(step=0, num_devices=2, tp=1, requests=reqs(1, 600))
     assert p.choose_start(batch) is None  # nothing measured yet: trust the profile (TP1)
     p.observe_poll(measured(1, 1))
@@ -166,7 +171,7 @@ def test_start_explores_a_layout_the_profile_wrongly_rules_out_once() -> None:
     p.start_stage()
     d = p.choose_start(batch)
     assert d is not None and d.target_tp == 2 and "exploring" not in d.reason and not p.start_explored
-    no_explore = Planner(profile(tp2_scale=1.5), PlannerConfig(**CFG, explore_max_ratio=0.0))
+    no_explore = Planner(profile(tp2_scale=2.0), PlannerConfig(**CFG, explore_max_ratio=0.0))
     no_explore.observe_poll(measured(1, 1))
     assert no_explore.choose_start(batch) is None
 
@@ -207,7 +212,7 @@ def test_start_switch_spaces_the_next_one_but_the_stage_may_grow_back_to_where_t
 
 
 def test_an_explored_start_layout_is_not_left_before_a_poll_in_it_was_measured() -> None:
-    p = Planner(profile(tp2_scale=1.5), PlannerConfig(**CFG))
+    p = Planner(profile(tp2_scale=2.0), PlannerConfig(**CFG))
     p.observe_poll(measured(1, 1))
     d = p.choose_start(ClusterState(step=0, num_devices=2, tp=1, requests=reqs(1, 600)))
     assert d is not None and d.target_tp == 2 and p.start_explored

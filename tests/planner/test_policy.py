@@ -32,7 +32,7 @@ def _planner(model: LatencyModel, estimator: str = "drain", **kw) -> Planner:
     lookahead draws from the predictor's distribution, so a heavy prior would put a tail of up-to-cap requests
     into every batch)."""
     if estimator == "drain":
-        p, n = Planner(model, PlannerConfig(candidate_tps=(1, 2, 4, 8), **kw)), 8
+        p, n = Planner(model, PlannerConfig(candidate_tps=(1, 2, 4, 8), estimator="drain", **kw)), 8
     else:
         p, n = Planner(model, PlannerConfig(candidate_tps=(1, 2, 4, 8), predictor=PredictorConfig(prior_weight=0.01),
                                             estimator=estimator, **kw)), 64

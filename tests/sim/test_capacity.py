@@ -2,7 +2,17 @@ from __future__ import annotations
 
 import pytest
 
-from pat_rollout.planner.capacity import MemorySpec, blocks_for, kv_room_bytes, replica_kv_tokens, tokens_in_room
+from pat_rollout.planner.capacity import (
+    MemorySpec,
+    block_pool_kv_tokens,
+    blocks_for,
+    kv_room_bytes,
+    layout_kv_tokens,
+    pool_kv_tokens,
+    replica_kv_tokens,
+    stock_kv_tokens,
+    tokens_in_room,
+)
 
 H100_VERL = MemorySpec(hbm_bytes=80e9, mem_fraction=0.6, activation_reserve_bytes=2e9)
 LLAMA_W = 2 * 8_030_261_248
@@ -45,3 +55,53 @@ def test_blocks_for() -> None:
     assert [blocks_for(n, 16) for n in (0, 1, 16, 17, 33)] == [0, 1, 1, 2, 3]
     with pytest.raises(ValueError, match="block_size=0"):
         blocks_for(3, 0)
+
+
+def test_room_per_layout_by_backend() -> None:
+    """#37: a stock engine at TPk keeps weights / k per device; the SGLang pool re-views the KV storage of its TP1
+    base (k x TP1's tokens); the reference pool holds its blocks at every TP."""
+    kw = dict(param_bytes=LLAMA_W, kv_bytes_per_token=LLAMA_KV, num_kv_heads=8, tps=(1, 2, 4, 8))
+    stock = stock_kv_tokens(H100_VERL, **kw)
+    pool = pool_kv_tokens(H100_VERL, **kw)
+    assert stock == layout_kv_tokens("stock", H100_VERL, **kw)
+    assert pool == layout_kv_tokens("sglang-pool", H100_VERL, **kw)
+    room1 = 48e9 - LLAMA_W - 2e9
+    assert pool == {1: 228_420, 2: int(room1 // 65536), 4: int(room1 // 32768), 8: int(room1 // 16384)}
+    assert pool[8] == 1_827_360 and stock[8] == 2_685_085 and pool[1] == stock[1]
+    assert all(pool[tp] < stock[tp] for tp in (2, 4, 8))
+    # a TP2-based pool keeps TP2's weights per device: its TP4 holds 2 x its TP2's tokens
+    two = pool_kv_tokens(H100_VERL, **{**kw, "tps": (2, 4)})
+    assert two == {2: stock[2], 4: int((48e9 - LLAMA_W / 2 - 2e9) // 32768)}
+    assert block_pool_kv_tokens(num_kv_blocks=256, block_size=16, tps=(1, 2, 4)) == {1: 4096, 2: 4096, 4: 4096}
+    with pytest.raises(ValueError, match="room='vllm'"):
+        layout_kv_tokens("vllm", H100_VERL, **kw)
+    small = MemorySpec(hbm_bytes=20e9, mem_fraction=0.6, activation_reserve_bytes=2e9)
+    with pytest.raises(ValueError, match="no KV room at tp=1"):
+        pool_kv_tokens(small, **kw)
+
+
+def test_simulated_pool_room_and_the_runs_that_use_it() -> None:
+    """The simulator's statics run on the stock engine's room, PAT (and the planner's view of the engine) on the
+    pool's: with TP2 its only layout, PAT is static TP2 on the pool's room, slower than the stock TP2 where KV
+    binds; `reclaiming` gives PAT the stock room back."""
+    from pat_rollout.planner import PlannerConfig
+    from pat_rollout.sim.compare import compare, engine_spec, gpu_setup, pat_hardware, room_line
+    from pat_rollout.sim.policies import StaticPolicy, run_policy
+    from pat_rollout.sim.traces import deepscaler_like
+
+    hw, model = gpu_setup("h100", "llama31_8b", "central")
+    assert hw.kv_tokens[1] == hw.pool().kv_tokens[1]
+    assert [hw.pool().kv_tokens[tp] // hw.kv_tokens[1] for tp in (2, 4, 8)] == [2, 4, 8]
+    assert hw.pool().kv_tokens[2] < hw.kv_tokens[2] and pat_hardware(hw, "reclaiming").kv_tokens == hw.kv_tokens
+    assert engine_spec(pat_hardware(hw)).kv_tokens == hw.pool().kv_tokens
+    assert "PAT's pool (PAT, oracle): TP1 " in room_line(hw)
+    trace = deepscaler_like(num_prompts=96, max_new_tokens=16384, seed=2)
+    cfg = PlannerConfig(candidate_tps=(2,))
+    cmp = compare(hw, model, trace, num_devices=8, planner_config=cfg, initial_tp=2, with_oracle=False)
+    by = cmp.by()
+    on_pool = run_policy(hw.pool(), trace, StaticPolicy(2), num_devices=8)
+    assert by["pat"].latency_s == on_pool.latency_s and by["pat"].num_preempted == on_pool.num_preempted
+    assert by["pat"].latency_s > by["static-tp2"].latency_s  # KV binds at TP2 on 96 x 8 long responses
+    rec = compare(hw, model, trace, num_devices=8, planner_config=cfg, initial_tp=2, with_oracle=False,
+                  room="reclaiming").by()
+    assert rec["pat"].latency_s == by["static-tp2"].latency_s

@@ -61,9 +61,13 @@ def test_wandb_export_statistics_are_reproduced() -> None:
 
 def test_cli_on_shipped_example(capsys: pytest.CaptureFixture[str]) -> None:
     main(["--lengths", str(DATA / "example_lengths.csv"), "--variants", "central", "--no-oracle",
-          "--num-devices", "4"])
-    out = capsys.readouterr().out
+          "--num-devices", "4", "--stages", "2", "--jobs", "1"])
+    cap = capsys.readouterr()
+    out = cap.out
     assert "trace example_lengths@step1: 512 responses" in out
     for policy in ("static-tp1", "static-tp2", "static-tp4", "pat"):
         assert f"\n{policy} " in out
-    assert "SIMULATED" in out and "PAT vs best static" in out
+    assert "SIMULATED" in out and "first: PAT vs best static" in out and "steady: PAT vs best static" in out
+    assert "KV tokens per replica, stock engine (statics): TP1 " in out and "PAT's pool (PAT, oracle): TP1 " in out
+    assert "first_s" in out and "steady_s" in out
+    assert "[central] [" in cap.err and "5/5 pat stage 2/2" in cap.err  # the progress bar: 3 statics + 2 stages

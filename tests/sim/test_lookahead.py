@@ -71,7 +71,8 @@ def test_pat_within_2_percent_of_the_oracle_on_a_capacity_bound_stage(setup) -> 
     cmp = compare(hw, prof, trace, num_devices=8,
                   planner_config=PlannerConfig(candidate_tps=TPS, estimator="lookahead"))
     by = cmp.by()
-    statics = [r for r in cmp.results if r.policy.startswith("static")]
-    assert by["oracle"].latency_s <= min(r.latency_s for r in statics) + 1e-9
+    # PAT and the oracle run on the pool's room (#37), the statics on a stock engine's: compare like with like
+    pool_statics = [run_policy(hw.pool(), trace, StaticPolicy(tp), num_devices=8).latency_s for tp in TPS]
+    assert by["oracle"].latency_s <= min(pool_statics) + 1e-9
     assert by["pat"].latency_s <= 1.02 * by["oracle"].latency_s
-    assert by["pat"].latency_s <= 1.01 * cmp.best_static().latency_s
+    assert by["pat"].latency_s <= 1.01 * min(pool_statics)

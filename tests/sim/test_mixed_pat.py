@@ -28,7 +28,7 @@ def h100() -> LatencyModel:
 
 
 def _planner(model: LatencyModel, tps: tuple[int, ...] = TPS) -> Planner:
-    p = Planner(model, PlannerConfig(candidate_tps=tps))
+    p = Planner(model, PlannerConfig(candidate_tps=tps, estimator="drain"))  # MixedPlanner's estimator
     for _ in range(8):  # earlier iterations: "long" runs ~12k tokens, "short" ~2k
         p.observe_history("long", 12000)
         p.observe_history("short", 2000)
@@ -133,7 +133,7 @@ def _trace(long_len: int) -> Trace:
 
 def _run(long_len: int):
     hw, model = gpu_setup("h100", "llama31_8b", "central")
-    cfg = PlannerConfig(candidate_tps=TPS, start_layout=False)
+    cfg = PlannerConfig(candidate_tps=TPS, start_layout=False, estimator="drain")
     return run_mixed_pat(hw, _trace(long_len), Planner(model, cfg), num_devices=8, handoff=handoff_cost(model))
 
 
