@@ -53,7 +53,8 @@ def cluster_state(step: int, num_devices: int, tp: int, requests: Mapping[str, R
                   progress: Mapping[str, RunningInfo], prompt_keys: Mapping[str, str],
                   assignment: Mapping[str, int] | None = None, *,
                   snapshots: Mapping[int, EngineSnapshot] | None = None,
-                  reported_spec: EngineSpec | None = None) -> ClusterState:
+                  reported_spec: EngineSpec | None = None,
+                  entry_s: tuple[tuple[int, float], ...] = ()) -> ClusterState:
     """The planner's view of the pool; `prompt_keys` holds each request's `prompt_key`, computed once.
     `snapshots`: the last poll's snapshot of every replica it stepped (from a pool that reports its engines' load:
     Pool.reports_load), giving every replica's load (a replica not stepped held no request) and whether each
@@ -77,17 +78,17 @@ def cluster_state(step: int, num_devices: int, tp: int, requests: Mapping[str, R
         idle = ReplicaLoad(num_waiting=0, num_running=0, kv_tokens_used=0, kv_tokens_capacity=capacity)
         loads = tuple(polled.get(r, idle) for r in range(num_devices // tp))
     return ClusterState(step=step, num_devices=num_devices, tp=tp, requests=tuple(reqs), loads=loads,
-                        reported_spec=reported_spec)
+                        reported_spec=reported_spec, entry_s=entry_s)
 
 
 def start_state(step: int, num_devices: int, tp: int, requests: list[Request],
-                prompt_keys: Mapping[str, str]) -> ClusterState:
+                prompt_keys: Mapping[str, str], entry_s: tuple[tuple[int, float], ...] = ()) -> ClusterState:
     """The planner's view of a batch about to be dispatched (nothing generated, replicas not chosen yet) at the
     driver's step count `step` (the clock its hysteresis guards count in)."""
     return ClusterState(step=step, num_devices=num_devices, tp=tp, requests=tuple(
         ReqProgress(request_id=r.request_id, prompt_key=prompt_keys.get(r.request_id),
                     num_prompt_tokens=len(r.prompt_token_ids), num_output_tokens=0,
-                    max_new_tokens=r.sampling.max_new_tokens) for r in requests))
+                    max_new_tokens=r.sampling.max_new_tokens) for r in requests), entry_s=entry_s)
 
 
 def poll_sample(tp: int, results: Mapping[int, tuple[StepResult, EngineSnapshot]], elapsed_s: float) -> PollSample | None:

@@ -93,6 +93,11 @@ class Pool(ABC):
     def abort_all(self) -> list[RequestOutput]:
         """Abort every request; one output per request (partial tokens, finish_reason 'abort')."""
 
+    def entry_cost_s(self, tp: int) -> float:
+        """Seconds a switch into TP `tp` would still spend once, beyond moving weights and KV (e.g. capturing that
+        layout's decode graphs where start-up did not); the planner adds them to that switch's cost."""
+        return 0.0
+
     def engine_spec(self) -> EngineSpec | None:
         """The engine's scheduler rules and the KV tokens one replica of each TP size holds, as the planner's
         lookahead reads them (ClusterState.reported_spec); None where the pool does not say."""

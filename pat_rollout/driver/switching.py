@@ -63,7 +63,7 @@ class Switching:
         keys = {r.request_id: prompt_key(r.prompt_token_ids) for r in batch}
         step = self._num_polls * self.config.steps_per_poll
         decision = self.planner.choose_start(start_state(step, self.config.num_devices, self.layout.tp_size, batch,
-                                                         keys))
+                                                         keys, self._entry_costs()))
         if decision is None:
             return
         logger.info("planner: %s -> TP%d (%s)", self.layout, decision.target_tp, decision.reason)
@@ -73,11 +73,15 @@ class Switching:
             self.planner.cancel(decision)
             logger.error("%s", e)
 
+    def _entry_costs(self) -> tuple[tuple[int, float], ...]:
+        """One-time costs the pool would still pay on entering each layout (Pool.entry_cost_s), the non-zero ones."""
+        return tuple((tp, s) for tp in self.config.tp_sizes if (s := self.pool.entry_cost_s(tp)) > 0)
+
     def _maybe_reconfigure(self) -> None:
         state = cluster_state(self._num_polls * self.config.steps_per_poll, self.config.num_devices,
                               self.layout.tp_size, self._requests, self._progress, self._prompt_keys,
                               self._assignment, snapshots=(self._snapshots or None) if self.pool.reports_load else None,
-                              reported_spec=self._engine_spec)
+                              reported_spec=self._engine_spec, entry_s=self._entry_costs())
         decision = self.planner.decide(state)
         if decision is not None and decision.is_rebalance:
             self._planned_rebalance(decision)

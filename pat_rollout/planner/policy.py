@@ -210,7 +210,7 @@ class Planner:
             why_not = self._why_not(state, tp)
             remaining_s, handed_off = regroup_s(tp)
             steps = la.last_steps if la is not None else None
-            cost = self._cost(model, state.num_devices, state.tp, tp, handed_off)
+            cost = self._entered(self._cost(model, state.num_devices, state.tp, tp, handed_off), state, tp)
             back = self._cost(model, state.num_devices, tp, state.tp, tokens).total_s if tp < state.tp else 0.0
             options.append(Option(tp=tp, remaining_s=remaining_s, cost=cost, allowed=not why_not, why_not=why_not,
                                   return_s=back, remaining_steps=steps))
@@ -244,6 +244,12 @@ class Planner:
         cost = transition_cost(model, num_devices=num_devices, tp_src=tp_src, tp_dst=tp_dst, num_tokens=num_tokens,
                                migrates=self.migrates)
         return self.calibration.correct_cost(cost, tp_src, tp_dst)
+
+    @staticmethod
+    def _entered(cost: TransitionCost, state: ClusterState, tp: int) -> TransitionCost:
+        """`cost` plus the one-time cost the pool still pays on entering `tp` (ClusterState.entry_s)."""
+        extra = state.entry_cost_s(tp) if tp != state.tp else 0.0
+        return dataclasses.replace(cost, switch_s=cost.switch_s + extra) if extra else cost
 
     # ---- measurements and the stage's starting layout -------------------------------------------
     def observe_poll(self, sample: PollSample) -> None:
@@ -290,7 +296,8 @@ class Planner:
             def run_s(tp: int) -> float:
                 return start_drain_s(model, tp=tp, num_devices=state.num_devices, remaining=remaining,
                                      num_tokens=tokens, prompt_tokens=prompt_tokens)
-        return {tp: (run_s(tp), self._cost(model, state.num_devices, state.tp, tp, [])) for tp in tps}
+        return {tp: (run_s(tp), self._entered(self._cost(model, state.num_devices, state.tp, tp, []), state, tp))
+                for tp in tps}
 
     def choose_start(self, state: ClusterState) -> Decision | None:
         """The layout to start this stage's batch in (before any request is dispatched), or None to stay at

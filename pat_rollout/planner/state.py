@@ -71,7 +71,9 @@ class ClusterState:
     `num_devices` devices in `num_devices // tp` TP groups of size `tp`, and the unfinished requests.
     What the pool's poll reported, where it did: `loads[r]` for every replica r (empty: not reported) and
     `reported_spec`, the engine's scheduler rules and KV capacity as the pool states them (None: the planner's
-    own EngineSpec or its default; the lookahead prefers the reported one)."""
+    own EngineSpec or its default; the lookahead prefers the reported one). `entry_s`: (tp, seconds) for every layout
+    a switch into which would still pay a one-time cost beyond moving weights and KV (a decode-graph capture not
+    done at start-up: `Pool.entry_cost_s`); the planner adds it to that switch's cost."""
 
     step: int
     num_devices: int
@@ -79,6 +81,10 @@ class ClusterState:
     requests: tuple[ReqProgress, ...]
     loads: tuple[ReplicaLoad, ...] = ()
     reported_spec: EngineSpec | None = None
+    entry_s: tuple[tuple[int, float], ...] = ()
+
+    def entry_cost_s(self, tp: int) -> float:
+        return next((s for t, s in self.entry_s if t == tp), 0.0)
 
     def __post_init__(self) -> None:
         if self.tp < 1 or self.num_devices % self.tp:

@@ -315,6 +315,11 @@ class SglPool(Pool):
             "per-request export/import between their radix caches (pool_switch only moves KV inside a layout "
             "switch); use the reference engine or a regroup")
 
+    def entry_cost_s(self, tp: int) -> float:
+        """The decode-graph capture a switch into `tp` would still run (pool_startup: 0 once captured, and every
+        layout is captured at start-up)."""
+        return self.startup.pending_capture_s(tp)
+
     def reconfigure(self, dst_tp: int, assignment: dict[str, int]) -> ReconfigResult:
         asyncio.set_event_loop(self.client.loop)
         t_start = time.perf_counter()

@@ -83,6 +83,26 @@ def full_batch_truth() -> dict[int, float]:
     return sim
 
 
+def test_a_pending_entry_cost_is_part_of_the_switch(h100: LatencyModel, estimator: str) -> None:
+    """A layout the pool has not prepared (ClusterState.entry_s: e.g. decode graphs not captured at start-up) costs
+    its one-time entry on top of the switch: a large one keeps the pool where it is, a small one is paid and
+    switched through, and a layout other than the pending one is priced as before."""
+    base = _planner(h100, estimator)
+    assert base.decide(drained(3000, 1)).target_tp == 8
+    plain = {o.tp: o.cost.total_s for o in base.last_options}
+    p = _planner(h100, estimator)
+    state = ClusterState(step=3000, num_devices=8, tp=1, requests=_reqs(4, 2000, "long"), entry_s=((8, 1e4),))
+    d = p.decide(state)
+    assert d is None or d.target_tp != 8
+    costs = {o.tp: o.cost.total_s for o in p.last_options}
+    assert costs[8] == pytest.approx(plain[8] + 1e4)
+    assert costs[4] == pytest.approx(plain[4]) and costs[2] == pytest.approx(plain[2])
+    small = _planner(h100, estimator).decide(ClusterState(step=3000, num_devices=8, tp=1,
+                                                          requests=_reqs(4, 2000, "long"), entry_s=((8, 0.01),)))
+    assert small is not None and small.target_tp == 8
+    assert small.predicted_overhead_s == pytest.approx(plain[8] + 0.01, rel=1e-6)
+
+
 def test_full_uniform_batch_stays_put(h100: LatencyModel, estimator: str, full_batch_truth: dict[int, float]) -> None:
     """At TP2, the truth's fastest layout for this batch, the planner stays; from TP8 it moves there."""
     p = _planner(h100, estimator)

@@ -1,5 +1,5 @@
 """Issue #24 item 1, the poll snapshot: what the reference pool's poll reports reaches the planner's ClusterState
-(per-replica ReplicaLoad, per-request `cached`, the engine spec the pool states)."""
+(per-replica ReplicaLoad, per-request `cached`, the engine spec the pool states, its one-time entry costs)."""
 
 from __future__ import annotations
 
@@ -66,6 +66,7 @@ def test_reference_pool_poll_reaches_the_planner(ray_cluster, tiny_models, tiny_
         return decide(state)
 
     driver.planner.decide = recording
+    driver.pool.entry_cost_s = lambda tp: 7.5 if tp == 2 else 0.0  # as a pool with TP2's graphs not captured says
     try:
         outputs = driver.generate(skewed_requests(n=8, long_len=24), timeout=300)
         spec = driver.pool.engine_spec()
@@ -77,6 +78,7 @@ def test_reference_pool_poll_reaches_the_planner(ray_cluster, tiny_models, tiny_
     bs = cfg.block_size
     for state in states:
         assert state.reported_spec == spec
+        assert state.entry_s == ((2, 7.5),)  # the pool's one-time entry costs, non-zero ones only
         assert len(state.loads) == state.num_replicas
         for r, load in enumerate(state.loads):
             mine = [p for p in state.requests if p.replica == r]
