@@ -1,6 +1,6 @@
 """GPU checks of `comm.device_groups` and `comm.abort` against real NCCL, torch only (no SGLang needed): one GPU is
 enough. What one GPU cannot show: a peer blocked in a collective being released by the abort (NCCL refuses two ranks
-on one GPU); that needs 2 GPUs and SGLang (tests/gpu/test_sglang_gpu_part2.py).
+on one GPU); that needs 2 GPUs and SGLang (tests/gpu/test_sglang_gpu.py).
 
 - `warm_up` creates the NCCL communicator of a lazily made torch group (torch's `init_process_group` without
   `device_id`), and `measured` says what it took on the device;
