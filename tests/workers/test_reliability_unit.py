@@ -52,6 +52,9 @@ class _FailingPool:
     kv_tokens = None
     reports_load = False
 
+    def entry_cost_s(self, tp):
+        return 0.0
+
     def reconfigure(self, dst_tp, assignment):
         raise ReconfigurationError("injected", dict(assignment))
 
