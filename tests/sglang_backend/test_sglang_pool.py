@@ -80,23 +80,29 @@ def test_switch_mid_decode_equals_hf(tiny_models, hf_reference, arch, handoff):
         assert str(grow.dst).startswith("1xTP2") and str(shrink.dst).startswith("2xTP1")
         unfinished = set(grow.migrated) | set(grow.recomputed)
         assert unfinished == {r.request_id for r in reqs}
+        # A request may reach its last token while the shrink's export runs (a fast machine polls late): it
+        # finishes there and is not handed off again. Every other one is.
+        handed = set(shrink.migrated) | set(shrink.recomputed)
+        assert handed and handed <= unfinished, (handed, unfinished)
         if handoff == "migrate":
             assert set(grow.migrated) == unfinished and not grow.recomputed
-            assert set(shrink.migrated) == unfinished
+            assert set(shrink.migrated) == handed
         else:
             assert not grow.migrated and set(grow.recomputed) == unfinished
+            assert set(shrink.recomputed) == handed
         per_rank = driver.pool.last_switch  # the shrink
         # rank r of the TP=2 replica had KV head r; back at TP=1 each rank holds both heads again
         assert [r["kv_heads"] for r in per_rank] == [2, 2]
         hits = {r.request_id: driver.pool.client.cached_tokens[r.request_id] for r in reqs}  # one per submission
+        assert all(len(h) == (3 if rid in handed else 2) for rid, h in hits.items()), (hits, handed)
         if handoff == "migrate":
             assert all(v > 0 for v in per_rank[0]["cached_tokens"].values())
             assert sum(r["bytes_moved"] for r in per_rank) > 0  # each rank received the other head
             # after each switch SGLang's prefix match found the migrated KV: only the tail was prefilled
-            assert all(len(h) == 3 and h[1] > 0 and h[2] == per_rank[0]["cached_tokens"][rid]
-                       for rid, h in hits.items()), hits
+            assert all(h[1] > 0 for h in hits.values()), hits
+            assert all(hits[rid][2] == per_rank[0]["cached_tokens"][rid] for rid in handed), hits
         else:
-            assert all(h[1:] == [0, 0] for h in hits.values()), hits  # recomputed: full re-prefill
+            assert all(not any(h[1:]) for h in hits.values()), hits  # recomputed: full re-prefill
         _check_equal_hf(outs, reqs, path, hf_reference)
         metrics = driver.stage_metrics()
         assert metrics["pat/num_reconfigs"] == 2
