@@ -69,6 +69,21 @@ class ModelSpec:
         return self.num_layers * per_layer + emb + h
 
     @classmethod
+    def from_model_path(cls, model_path: str, tp_sizes: tuple[int, ...] = ()) -> ModelSpec:
+        """Read `model_path`/config.json (a HF model folder) and check that every TP size in `tp_sizes` divides
+        its heads: the engine backends' check before any process starts."""
+        import json
+        from pathlib import Path
+
+        cfg_path = Path(model_path) / "config.json"
+        if not cfg_path.is_file():
+            raise ValueError(f"model_path={model_path!r} has no config.json (missing or not a HF model folder)")
+        spec = cls.from_hf_config(json.loads(cfg_path.read_text()))
+        for tp in tp_sizes:
+            spec.check_tp(tp)
+        return spec
+
+    @classmethod
     def from_hf_config(cls, cfg: dict) -> ModelSpec:
         """Build from a parsed HuggingFace config.json dict (LlamaForCausalLM or Qwen3ForCausalLM)."""
         archs = cfg.get("architectures") or []

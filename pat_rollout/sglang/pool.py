@@ -42,12 +42,7 @@ def check_model(config: PatRolloutConfig) -> ModelSpec:
 
     if importlib.util.find_spec("sglang") is None:
         raise RuntimeError(f"backend='sglang' needs SGLang, which is not installed in this environment; {INSTALL_HINT}")
-    cfg_path = Path(config.model_path) / "config.json"
-    if not cfg_path.is_file():
-        raise ValueError(f"model_path={config.model_path!r} has no config.json (missing or not a HF model folder)")
-    spec = ModelSpec.from_hf_config(json.loads(cfg_path.read_text()))
-    for tp in config.tp_sizes:
-        spec.check_tp(tp)
+    spec = ModelSpec.from_model_path(config.model_path, config.tp_sizes)
     check_page_size(config.engine_args)
     smallest = min(config.tp_sizes)
     if config.initial_tp > smallest:
