@@ -88,6 +88,18 @@ rollout_args() {
     )
 }
 
+# policy_args RECIPE DEFAULT_STATIC_TP: ROLLOUT_ARGS and RUN_NAME for POLICY (env, default pat): PAT from
+# PAT_INITIAL_TP (default 1), or the static baseline at STATIC_TP (default DEFAULT_STATIC_TP). A recipe's PAT run and
+# its baseline are the same script, so they differ only in these overrides and the experiment name.
+policy_args() {
+    local recipe=$1 static_tp=${STATIC_TP:-$2}
+    case "${POLICY:-pat}" in
+        pat) rollout_args pat "${PAT_INITIAL_TP:-1}"; RUN_NAME=${EXPERIMENT_NAME:-${recipe}_pat} ;;
+        static) rollout_args static "$static_tp"; RUN_NAME=${EXPERIMENT_NAME:-${recipe}_static_tp${static_tp}} ;;
+        *) echo "POLICY=${POLICY} must be pat or static" >&2; return 2 ;;
+    esac
+}
+
 # launch ARGS...: submit `python3 -m verl.trainer.main_ppo ARGS...` as a Ray job (run from the repo root).
 launch() {
     if [[ "${PRINT_OVERRIDES:-0}" == "1" ]]; then

@@ -22,10 +22,11 @@ def overrides_of(script: Path, **env: str) -> list[str]:
     return proc.stdout.splitlines()
 
 
+RECIPES = ("grpo_llama31_8b", "grpo_qwen3_14b", "ppo_llama31_8b")
+
+
 def test_expected_scripts_exist():
-    names = {s.name for s in SCRIPTS}
-    for base in ("grpo_llama31_8b", "grpo_qwen3_14b", "ppo_llama31_8b"):
-        assert {f"run_{base}_pat.sh", f"run_{base}_static.sh"} <= names
+    assert {s.name for s in SCRIPTS} == {f"run_{base}.sh" for base in RECIPES}
 
 
 @pytest.mark.parametrize("script", SCRIPTS + [RECIPE / "common.sh"], ids=lambda p: p.name)
@@ -33,15 +34,16 @@ def test_bash_syntax(script):
     subprocess.run(["bash", "-n", str(script)], check=True)
 
 
+@pytest.mark.parametrize("policy", ["pat", "static"])
 @pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.name)
-def test_overrides_compose_and_pat_config_is_valid(script, tmp_path):
+def test_overrides_compose_and_pat_config_is_valid(script, policy, tmp_path):
     pytest.importorskip("verl")
     from verl.utils.config import omega_conf_to_dataclass
     from verl_helpers import compose_ppo
 
     from pat_rollout.verl.config import from_verl
 
-    overrides = overrides_of(script, DATA_DIR=str(tmp_path))
+    overrides = overrides_of(script, DATA_DIR=str(tmp_path), POLICY=policy)
     cfg = compose_ppo(overrides)
     rc = omega_conf_to_dataclass(cfg.actor_rollout_ref.rollout)
     pat = from_verl(rc, cfg.actor_rollout_ref.model.path, check_model=False)
@@ -49,18 +51,27 @@ def test_overrides_compose_and_pat_config_is_valid(script, tmp_path):
     assert pat.backend == "sglang"
     assert cfg.reward.custom_reward_function.path == "recipes/deepscaler/deepscaler_reward.py"
     assert (RECIPE / "deepscaler_reward.py").exists()
-    if script.name.endswith("_static.sh"):
+    if policy == "static":
         assert pat.policy == "static" and len(pat.tp_sizes) == 1
     else:
         assert pat.policy == "pat" and pat.tp_sizes == (1, 2, 4, 8)
 
 
-@pytest.mark.parametrize("base", ["grpo_llama31_8b", "grpo_qwen3_14b", "ppo_llama31_8b"])
+@pytest.mark.parametrize("base", RECIPES)
 def test_pat_and_static_differ_only_in_rollout_policy(base):
-    pat = overrides_of(RECIPE / f"run_{base}_pat.sh")
-    static = overrides_of(RECIPE / f"run_{base}_static.sh")
+    pat = overrides_of(RECIPE / f"run_{base}.sh")
+    static = overrides_of(RECIPE / f"run_{base}.sh", POLICY="static")
     differ = sorted(set(pat) ^ set(static))
-    assert all(".pat.policy=" in o or ".pat.initial_tp=" in o or "experiment_name=" in o for o in differ), differ
+    assert differ and all(".pat.policy=" in o or ".pat.initial_tp=" in o or "experiment_name=" in o
+                          for o in differ), differ
+    assert f"trainer.experiment_name={base}_pat" in pat and any(o.startswith(
+        f"trainer.experiment_name={base}_static_tp") for o in static)
+
+
+def test_an_unknown_policy_is_refused():
+    proc = subprocess.run(["bash", str(SCRIPTS[0])], env={**os.environ, "PRINT_OVERRIDES": "1", "POLICY": "dynamic"},
+                          capture_output=True, text=True, timeout=30)
+    assert proc.returncode == 2 and "POLICY=dynamic must be pat or static" in proc.stderr
 
 
 def test_prepare_data_on_synthetic_sample(tmp_path):

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# GRPO, Qwen3-14B, DeepScaleR, 8 GPUs, PAT rollout (TP regrouped during generation).
+# GRPO, Qwen3-14B, DeepScaleR, 8 GPUs, PAT rollout (TP regrouped during generation);
+# POLICY=static: the static-TP baseline (TP=${STATIC_TP:-4}), same engine and settings.
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 MODEL_PATH=${MODEL_PATH:-Qwen/Qwen3-14B}
-rollout_args pat "${PAT_INITIAL_TP:-1}"
+policy_args grpo_qwen3_14b 4
 launch "${COMMON_ARGS[@]}" \
     "algorithm.adv_estimator=grpo" \
     "algorithm.use_kl_in_reward=False" \
@@ -13,5 +14,5 @@ launch "${COMMON_ARGS[@]}" \
     "actor_rollout_ref.actor.fsdp_config.param_offload=True" \
     "actor_rollout_ref.actor.fsdp_config.optimizer_offload=True" \
     "${ROLLOUT_ARGS[@]}" \
-    "trainer.experiment_name=${EXPERIMENT_NAME:-grpo_qwen3_14b_pat}" \
+    "trainer.experiment_name=$RUN_NAME" \
     "$@"

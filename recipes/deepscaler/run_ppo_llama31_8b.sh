@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# PPO (GAE + critic), Llama-3.1-8B-Instruct, DeepScaleR, 8 GPUs, static-TP baseline (same engine and settings as run_ppo_llama31_8b_pat.sh, policy=static, TP=${STATIC_TP:-2}).
+# PPO (GAE + critic), Llama-3.1-8B-Instruct, DeepScaleR, 8 GPUs, PAT rollout;
+# POLICY=static: the static-TP baseline (TP=${STATIC_TP:-2}), same engine and settings.
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 MODEL_PATH=${MODEL_PATH:-meta-llama/Llama-3.1-8B-Instruct}
 CRITIC_PATH=${CRITIC_PATH:-$MODEL_PATH}
-rollout_args static "${STATIC_TP:-2}"
+policy_args ppo_llama31_8b 2
 launch "${COMMON_ARGS[@]}" \
     "algorithm.adv_estimator=gae" \
     "algorithm.use_kl_in_reward=False" \
@@ -19,5 +20,5 @@ launch "${COMMON_ARGS[@]}" \
     "critic.fsdp.param_offload=True" \
     "critic.fsdp.optimizer_offload=True" \
     "${ROLLOUT_ARGS[@]}" \
-    "trainer.experiment_name=${EXPERIMENT_NAME:-ppo_llama31_8b_static_tp${STATIC_TP:-2}}" \
+    "trainer.experiment_name=$RUN_NAME" \
     "$@"

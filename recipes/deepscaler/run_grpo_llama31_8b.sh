@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# GRPO, Llama-3.1-8B-Instruct, DeepScaleR, 8 GPUs, static-TP baseline (same engine and settings as run_grpo_llama31_8b_pat.sh, policy=static, TP=${STATIC_TP:-2}).
-# Extra Hydra overrides can be appended: bash run_grpo_llama31_8b_pat.sh trainer.total_training_steps=100
+# GRPO, Llama-3.1-8B-Instruct, DeepScaleR, 8 GPUs, PAT rollout (TP regrouped during generation);
+# POLICY=static: the static-TP baseline (TP=${STATIC_TP:-2}), same engine and settings.
+# Extra Hydra overrides can be appended: bash run_grpo_llama31_8b.sh trainer.total_training_steps=100
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 MODEL_PATH=${MODEL_PATH:-meta-llama/Llama-3.1-8B-Instruct}
-rollout_args static "${STATIC_TP:-2}"
+policy_args grpo_llama31_8b 2
 launch "${COMMON_ARGS[@]}" \
     "algorithm.adv_estimator=grpo" \
     "algorithm.use_kl_in_reward=False" \
@@ -12,5 +13,5 @@ launch "${COMMON_ARGS[@]}" \
     "actor_rollout_ref.actor.kl_loss_coef=0.001" \
     "actor_rollout_ref.actor.kl_loss_type=low_var_kl" \
     "${ROLLOUT_ARGS[@]}" \
-    "trainer.experiment_name=${EXPERIMENT_NAME:-grpo_llama31_8b_static_tp${STATIC_TP:-2}}" \
+    "trainer.experiment_name=$RUN_NAME" \
     "$@"
