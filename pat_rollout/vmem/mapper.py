@@ -116,6 +116,14 @@ class FakeMapper:
     def mapped_bytes(self) -> int:
         return sum(self.handles[h] for h in self.maps.values())
 
+    def close(self) -> None:
+        """Unmap, release and free everything (as CudaMapper.close)."""
+        for va, h in list(self.maps.items()):
+            self.unmap(va, self.handles[h])
+        for h in list(self.handles):
+            self.release(h)
+        self.reservations.clear()
+
     def mapped_in(self, va: int, nbytes: int) -> int:
         """Mapped bytes inside [va, va + nbytes)."""
         return sum(self.handles[h] for m, h in self.maps.items() if va <= m and m + self.handles[h] <= va + nbytes)
