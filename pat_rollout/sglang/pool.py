@@ -87,6 +87,10 @@ def launch_pool_engine(config: PatRolloutConfig, layouts: dict[int, Layout], dev
     if config.reclaim_weight_memory:  # (#37) docs/kv_reclaim.md
         from pat_rollout.sglang.kv_room import RECLAIM_ENV
 
+        if device != "cpu":
+            raise NotImplementedError("reclaim_weight_memory on GPUs needs vmem.CudaMapper wired into SGLang's weight "
+                                      "and KV allocations, which is not built yet (docs/kv_reclaim.md)")
+
         env[RECLAIM_ENV] = "1"
     base = Layout.uniform(config.num_devices, config.initial_tp)
     env[POOL_ENV] = json.dumps({"base": [list(g) for g in base.groups],
