@@ -55,6 +55,9 @@ class PatRolloutConfig:
     - kv_handoff_max_bytes: the most KV bytes one device receives in a switch's hand-off (held in host memory from
       the exchange to the import); requests beyond it are recomputed. None: a quarter of the host memory available
       at start-up, shared by the devices (`kv_handoff_cap`).
+    - reclaim_weight_memory: backend="sglang": a layout lends the weight memory its shard no longer uses to the KV
+      cache (docs/kv_reclaim.md; the base layout must be the smallest TP). CPU only for now (a fake mapper stands
+      in for the CUDA driver); off by default until a GPU has run it.
     """
 
     model_path: str
@@ -81,6 +84,7 @@ class PatRolloutConfig:
     transfer_min_bytes_per_s: float = 100e6
     transfer_chunk_bytes: int = 64 << 20
     kv_handoff_max_bytes: int | None = None
+    reclaim_weight_memory: bool = False
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
@@ -112,6 +116,9 @@ class PatRolloutConfig:
                     or value <= 0:
                 raise ValueError(f"{name}={value!r} must be a finite number > 0")
 
+        if self.reclaim_weight_memory and (self.backend != "sglang" or self.initial_tp != min(self.tp_sizes)):
+            raise ValueError(f"reclaim_weight_memory needs backend='sglang' (got {self.backend!r}) and initial_tp "
+                             f"the smallest TP size (initial_tp={self.initial_tp}, TP sizes {self.tp_sizes})")
         if self.kv_handoff_max_bytes is not None and (isinstance(self.kv_handoff_max_bytes, bool)
                                                       or not isinstance(self.kv_handoff_max_bytes, int)
                                                       or self.kv_handoff_max_bytes < 0):

@@ -11,6 +11,10 @@ planner):
 - "sglang-pool": pat_rollout's SGLang pool keeps every device's base-layout weight storage in every layout (stable
   addresses) and re-views the KV storage allocated at the base layout, so a TPk replica holds k x the base TP1
   replica's tokens (`pool_kv_tokens`; sglang/kv_room.py applies the same `tokens_in_room` to its storage).
+- "sglang-pool-reclaim": the SGLang pool with `reclaim_weight_memory` (docs/kv_reclaim.md): a layout lends the weight
+  bytes its shard no longer uses to the KV storage, so its room is the base room + the weight bytes freed - what
+  granule rounding keeps back (`reclaim_room_bytes`; `vmem.ReclaimPlan.loss_bytes` is that loss for real storages).
+  Without a loss it is the stock room exactly (`reclaim_kv_tokens`).
 - "ref-pool": the reference engine's fixed block pool per rank, every rank holding its share of the heads: the
   same tokens per replica at every TP (`block_pool_kv_tokens`). A TP group of `tp` devices shards the KV heads, so one token
 costs kv_bytes_per_token * ceil(num_kv_heads / tp) / num_kv_heads bytes on each device (heads are replicated
@@ -20,7 +24,7 @@ once tp > num_kv_heads) and the replica holds room / that many tokens (`tokens_i
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -112,6 +116,32 @@ def pool_kv_tokens(mem: MemorySpec, *, param_bytes: float, kv_bytes_per_token: i
             for tp in tps}
 
 
+def reclaim_room_bytes(base_room_bytes: float, *, freed_bytes: float, loss_bytes: float = 0.0) -> float:
+    """KV bytes per device of a layout of the reclaiming pool: the base layout's room plus the weight bytes the
+    layout frees, less what granule rounding keeps back (`vmem.ReclaimPlan`: freed_bytes, loss_bytes)."""
+    if freed_bytes < 0 or not 0 <= loss_bytes <= freed_bytes:
+        raise ValueError(f"freed_bytes={freed_bytes} must be >= 0 and loss_bytes={loss_bytes} in [0, freed_bytes]")
+    return base_room_bytes + freed_bytes - loss_bytes
+
+
+def reclaim_kv_tokens(mem: MemorySpec, *, param_bytes: float, kv_bytes_per_token: int, num_kv_heads: int,
+                      tps: Sequence[int], base_tp: int | None = None,
+                      loss_bytes: Mapping[int, float] | None = None) -> dict[int, int]:
+    """Tokens one replica of each TP holds in the reclaiming SGLang pool: the base room (`base_tp`, default the
+    smallest of `tps`) plus weights / base - weights / tp per device, less `loss_bytes[tp]` (granule rounding; None:
+    no loss, the stock engine's room at every TP)."""
+    base = min(tps) if base_tp is None else base_tp
+    room = kv_room_bytes(mem, param_bytes=param_bytes, tp=base)
+    if room <= 0:
+        replica_kv_tokens(mem, param_bytes=param_bytes, kv_bytes_per_token=kv_bytes_per_token,
+                          num_kv_heads=num_kv_heads, tp=base)  # raises, naming every operand
+    loss = loss_bytes or {}
+    return {tp: tokens_in_room(reclaim_room_bytes(room, freed_bytes=param_bytes / base - param_bytes / tp,
+                                                  loss_bytes=loss.get(tp, 0.0)),
+                               kv_bytes_per_token=kv_bytes_per_token, num_kv_heads=num_kv_heads, tp=tp)
+            for tp in tps}
+
+
 def block_pool_kv_tokens(*, num_kv_blocks: int, block_size: int, tps: Sequence[int]) -> dict[int, int]:
     """Tokens one replica of each TP holds in the reference engine's pool: `num_kv_blocks` blocks of `block_size`
     tokens per rank, every rank holding its share of the heads of every token (engine/ref/block_manager.py)."""
@@ -120,16 +150,20 @@ def block_pool_kv_tokens(*, num_kv_blocks: int, block_size: int, tps: Sequence[i
     return {tp: num_kv_blocks * block_size for tp in tps}
 
 
-ROOMS = ("stock", "sglang-pool", "ref-pool")
+ROOMS = ("stock", "sglang-pool", "sglang-pool-reclaim", "ref-pool")
 
 
 def layout_kv_tokens(room: str, mem: MemorySpec, *, param_bytes: float, kv_bytes_per_token: int, num_kv_heads: int,
                      tps: Sequence[int]) -> dict[int, int]:
-    """Tokens per replica of each TP under backend `room` ("stock" or "sglang-pool"; the reference pool's room
-    is its block count: `block_pool_kv_tokens`)."""
+    """Tokens per replica of each TP under backend `room` ("stock", "sglang-pool" or "sglang-pool-reclaim"
+    (without rounding loss: `reclaim_kv_tokens`); the reference pool's room is its block count:
+    `block_pool_kv_tokens`)."""
     kw = dict(param_bytes=param_bytes, kv_bytes_per_token=kv_bytes_per_token, num_kv_heads=num_kv_heads, tps=tps)
     if room == "stock":
         return stock_kv_tokens(mem, **kw)
     if room == "sglang-pool":
         return pool_kv_tokens(mem, **kw)
-    raise ValueError(f"room={room!r}: expected 'stock' or 'sglang-pool' (the ref pool: block_pool_kv_tokens)")
+    if room == "sglang-pool-reclaim":
+        return reclaim_kv_tokens(mem, **kw)
+    raise ValueError(f"room={room!r}: expected 'stock', 'sglang-pool' or 'sglang-pool-reclaim' (the ref pool: "
+                     f"block_pool_kv_tokens)")

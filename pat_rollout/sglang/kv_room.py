@@ -8,15 +8,31 @@ SGLang's scheduler admits against: the pool's and allocator's size (free list re
 scheduler's `max_total_num_tokens`, `max_req_len` / `max_req_input_len`, and the copies SGLang's scheduler
 components keep. `max_prefill_tokens`, `chunked_prefill_size` and the new-token ratio are not capacities
 (server-args caps and a ratio of the free room) and stay. The tokenizer manager keeps the base layout's
-`max_req_input_len`, the smallest (the base is the smallest TP). Only stdlib, torch and pat_rollout at import.
+`max_req_input_len`, the smallest (the base is the smallest TP).
+
+With `PatRolloutConfig.reclaim_weight_memory` (RECLAIM_ENV in the scheduler processes; docs/kv_reclaim.md) a
+layout's room is the base room plus the weight bytes its shard no longer uses, as a `vmem.ReclaimPlan` lends them
+in granules (`planner.capacity.reclaim_room_bytes`): at the first switch each KV storage is replaced by one with
+the address range the plan reserves for it, and every switch moves the plan's pages on the mapper before the
+re-view. On CPU the mapper is `vmem.FakeMapper` (the weights keep their host memory; what is checked is the plan
+and SGLang's limits following it); on GPUs the CudaMapper is not wired into SGLang's allocations yet (refused).
+Only stdlib, torch and pat_rollout at import.
 """
 
 from __future__ import annotations
 
+import os
+from dataclasses import dataclass
+
 import torch
 
-from pat_rollout.planner.capacity import tokens_in_room
+from pat_rollout.planner.capacity import reclaim_room_bytes, tokens_in_room
 from pat_rollout.sglang import compat
+from pat_rollout.vmem import CUDA_GRANULE, FakeMapper, KvRegion, ReclaimPlan, WeightStorage, apply_switch, map_initial
+from pat_rollout.vmem.plan import align_up
+
+RECLAIM_ENV = "PAT_RECLAIM_WEIGHT_MEMORY"  # "1": PatRolloutConfig.reclaim_weight_memory
+RECLAIM_GRANULE_ENV = "PAT_RECLAIM_GRANULE"  # the plan's granule in bytes (default CUDA's 2 MiB; CPU tests: smaller)
 
 # Scheduler components (0.5.23) that copy the token capacity at start-up: (attribute, times kv_shard_widening).
 _COMPONENTS = (("pool_stats_observer", True), ("invariant_checker", True), ("load_inquirer", True),
@@ -39,10 +55,12 @@ def room_bytes(pool) -> int:
     return sum(s.nbytes() for s in _storages(pool).values())
 
 
-def capacity(pool, num_kv_heads: int, tp: int) -> int:
-    """KV slots of this rank's storage in a TP=`tp` layout (SGLang's padding slots included)."""
+def capacity(pool, num_kv_heads: int, tp: int, room: float | None = None) -> int:
+    """KV slots of this rank's storage (or of `room` bytes) in a TP=`tp` layout (SGLang's padding slots
+    included)."""
     per_token = pool.layer_num * (pool.head_dim + pool.v_head_dim) * num_kv_heads * pool.k_buffer[0].element_size()
-    return tokens_in_room(room_bytes(pool), kv_bytes_per_token=per_token, num_kv_heads=num_kv_heads, tp=tp)
+    return tokens_in_room(room_bytes(pool) if room is None else room, kv_bytes_per_token=per_token,
+                          num_kv_heads=num_kv_heads, tp=tp)
 
 
 def _flat(storage: torch.UntypedStorage, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -84,7 +102,8 @@ def set_layout(scheduler, *, num_kv_heads: int, tp: int, head_num: int) -> int:
     if getattr(pool, "is_quantized_kv_cache", False):
         raise NotImplementedError("SglPool re-views unquantized MHA KV pools only")
     page = int(pool.page_size)
-    slots = capacity(pool, num_kv_heads, tp) // page * page
+    room = _reclaim_to(scheduler, pool, tp) if reclaiming() else None
+    slots = capacity(pool, num_kv_heads, tp, room) // page * page
     size = slots - page  # SGLang keeps one page of padding slots (slot 0 absorbs padded tokens' writes)
     pool.size = size
     _review(pool, head_num, slots)
@@ -125,3 +144,124 @@ def limits(scheduler) -> dict[str, int]:
                 available=int(scheduler.token_to_kv_pool_allocator.available_size()),
                 max_total_num_tokens=int(scheduler.max_total_num_tokens), max_req_len=int(scheduler.max_req_len),
                 max_req_input_len=int(scheduler.max_req_input_len))
+
+
+# ---- reclaim_weight_memory -----------------------------------------------------------------------------------
+
+
+def reclaiming() -> bool:
+    return os.environ.get(RECLAIM_ENV) == "1"
+
+
+@dataclass
+class Reclaim:
+    """This rank's reclaiming state: the plan, the mapper it runs on, the weight pages' handles, the layout mapped
+    now and the base KV room (bytes SGLang allocated)."""
+
+    plan: ReclaimPlan
+    mapper: FakeMapper
+    handles: dict[int, int]
+    tp: int
+    base_room: int
+
+    def room(self, tp: int) -> float:
+        return reclaim_room_bytes(self.base_room, freed_bytes=self.plan.freed_bytes(tp),
+                                  loss_bytes=self.plan.loss_bytes(tp))
+
+
+def reclaim_state(scheduler) -> Reclaim | None:
+    return getattr(scheduler, "_pat_reclaim", None)
+
+
+def _reclaim_to(scheduler, pool, tp: int) -> float:
+    """Move the plan's pages to the TP=tp mapping (the pool is empty: the switch flushed it) and return its room."""
+    st = reclaim_state(scheduler)
+    if st is None:
+        st = scheduler._pat_reclaim = _start_reclaim(scheduler, pool)
+    alloc = scheduler.token_to_kv_pool_allocator
+    empty = alloc.available_size() >= alloc.size
+    used = [0] * len(st.plan.kv) if empty else st.plan.kv_mapped_bytes(st.tp)  # anything live: refuse a shrink
+    apply_switch(st.plan, st.mapper, st.handles, st.tp, tp, kv_used_bytes=used)
+    st.tp = tp
+    return st.room(tp)
+
+
+def _start_reclaim(scheduler, pool) -> Reclaim:
+    """Build this rank's plan over its live parameters' storages and its KV storages, map the base layout on a
+    FakeMapper, and give each KV storage the address range the plan reserves for it (a new storage: the pool is
+    empty, nothing to copy; later switches keep it)."""
+    from pat_rollout.layout.layout import Layout
+    from pat_rollout.sglang import pool_hooks
+    from pat_rollout.sglang.live_model import _hf_config_dict, sglang_specs
+
+    device = pool.k_buffer[0].device
+    if device.type != "cpu":
+        raise NotImplementedError("reclaim_weight_memory on GPUs needs vmem.CudaMapper wired into SGLang's weight "
+                                  "and KV allocations, which is not built yet (docs/kv_reclaim.md)")
+    state = pool_hooks.STATE
+    granule = int(os.environ.get(RECLAIM_GRANULE_ENV, CUDA_GRANULE))
+    runner = scheduler.tp_worker.model_runner
+    model = runner.model
+    specs = sglang_specs(_hf_config_dict(scheduler), int(model.model.embed_tokens.num_embeddings_padded))
+    tps = sorted(int(t) for t in state.layouts)
+    base_tp = len(state.base[0])
+    if tps[0] != base_tp:
+        raise ValueError(f"reclaim_weight_memory needs the base layout to be the smallest TP: base TP{base_tp}, "
+                         f"layouts {tps}")
+    pos = {t: Layout(state.layouts[t]).position(state.rank)[1] for t in tps}
+    mapper = FakeMapper(granule)
+    weights, seen = [], set()
+    for name, p in model.named_parameters():
+        sto = p.untyped_storage()
+        if sto.data_ptr() in seen or sto.nbytes() == 0:
+            continue
+        seen.add(sto.data_ptr())
+        spec, n, size = specs.get(name), sto.nbytes(), p.element_size()
+        if spec is None or spec.dim is None or p.storage_offset() != 0:
+            kept = {t: n for t in tps}  # replicated (or not at its storage's start): nothing to lend
+        else:
+            kept = {t: min(n, _numel(spec.local_shape(pos[t], t)) * size) for t in tps}
+        weights.append(WeightStorage(name=name, start=mapper.reserve(align_up(n, granule)), nbytes=n, kept=kept))
+    storages = [s for _, s in sorted(_storages(pool).items())]
+    # a dry plan for the lendable pages, then reservations large enough for every layout
+    probe = [KvRegion(start=(1 << 60) + i * (1 << 50), base_bytes=align_up(s.nbytes(), granule),
+                      reserved_bytes=align_up(s.nbytes(), granule) + (1 << 49)) for i, s in enumerate(storages)]
+    lendable = ReclaimPlan.build(weights=weights, kv=probe, tps=tps, granule=granule).lent_pages(tps[-1])
+    ext = -(-lendable // len(storages)) * granule
+    regions = []
+    for s in storages:
+        base = align_up(s.nbytes(), granule)
+        regions.append(KvRegion(start=mapper.reserve(base + ext), base_bytes=base, reserved_bytes=base + ext))
+    plan = ReclaimPlan.build(weights=weights, kv=regions, tps=tps, granule=granule)
+    handles = map_initial(plan, mapper)
+    base_room = room_bytes(pool)
+    new = {s.data_ptr(): torch.empty(s.nbytes() + ext, dtype=torch.uint8, device=device).untyped_storage()
+           for s in storages}
+    ks, vs = [], []
+    for k, v in zip(pool.k_buffer, pool.v_buffer):
+        knew, vnew = new[k.untyped_storage().data_ptr()], new[v.untyped_storage().data_ptr()]
+        ks.append(_flat(knew, k.dtype, device)[: k.numel()].view(k.shape))
+        voff = k.numel() if knew.data_ptr() == vnew.data_ptr() else 0  # 0.5.23: K then V in one allocation
+        vs.append(_flat(vnew, v.dtype, device)[voff : voff + v.numel()].view(v.shape))
+    pool.k_buffer, pool.v_buffer = ks, vs
+    compat.refresh_kv_pointers(pool)
+    return Reclaim(plan=plan, mapper=mapper, handles=handles, tp=base_tp, base_room=base_room)
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def reclaim_info(scheduler) -> dict | None:
+    """What the reclaiming plan maps now (None when off or before the first switch): for `pat_pool_info`."""
+    st = reclaim_state(scheduler)
+    if st is None:
+        return None
+    return dict(tp=st.tp, granule=st.plan.granule, lent_pages=st.plan.lent_pages(st.tp),
+                reclaimed_bytes=st.plan.reclaimed_bytes(st.tp), freed_bytes=st.plan.freed_bytes(st.tp),
+                room_bytes=st.room(st.tp), kv_mapped_bytes=st.plan.kv_mapped_bytes(st.tp),
+                planned_room={t: st.room(t) for t in st.plan.tps}, peak_physical=st.mapper.peak_physical,
+                physical_bytes=st.mapper.physical_bytes())

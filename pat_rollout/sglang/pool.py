@@ -84,6 +84,14 @@ def launch_pool_engine(config: PatRolloutConfig, layouts: dict[int, Layout], dev
     env = engine_env(config.num_devices, device)
     env["SGLANG_ENABLE_RANK_CONSENSUS_CHECKER"] = "0"  # ranks of different replicas diverge by design
     env.update(layout_comm.engine_env(config.layout_custom_all_reduce))  # --- (#35)
+    if config.reclaim_weight_memory:  # (#37) docs/kv_reclaim.md
+        from pat_rollout.sglang.kv_room import RECLAIM_ENV
+
+        if device != "cpu":
+            raise NotImplementedError("reclaim_weight_memory on GPUs needs vmem.CudaMapper wired into SGLang's weight "
+                                      "and KV allocations, which is not built yet (docs/kv_reclaim.md)")
+
+        env[RECLAIM_ENV] = "1"
     base = Layout.uniform(config.num_devices, config.initial_tp)
     env[POOL_ENV] = json.dumps({"base": [list(g) for g in base.groups],
                                 "layouts": {str(tp): [list(g) for g in lay.groups] for tp, lay in layouts.items()},
@@ -373,7 +381,8 @@ class SglPool(Pool):
             if rid not in new_assign:
                 self._replica[rid] = 0
         result.assignment = {rid: self._replica[rid] for rid in assignment}
-        result.migrated = tuple(rid for rid in cached if cached[rid] > 0)
+        no_room = {rid for r in per_rank for rid in r.get("no_room", ())}  # reclaim_weight_memory: recomputed
+        result.migrated = tuple(rid for rid in cached if cached[rid] > 0 and rid not in no_room)
         result.recomputed = tuple(s.request_id for s in states if s.request_id not in result.migrated)
         result.total_s = time.perf_counter() - t_start
         self.last_switch = per_rank

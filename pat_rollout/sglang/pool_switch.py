@@ -332,8 +332,15 @@ def _switch(self, state: dict[str, str], transport, dst_groups: list[list[int]],
         t = time.perf_counter()
         state["phase"] = "import"
         _maybe_fail("import")
-        for rid in list(incoming):
-            _insert_prefix(self, pool, tokens[rid], incoming.pop(rid), chunk_bytes)  # host memory freed as it goes
+        no_room = []
+        for rid in [r for r in tokens if r in incoming]:  # the driver's order: the same on every rank of a replica
+            kv = incoming.pop(rid)  # host memory freed as it goes
+            if kv_room.reclaiming() and kv.shape[2] > self.token_to_kv_pool_allocator.available_size():
+                # a shrink gave back the room this KV needed: not inserted, so the resubmission recomputes it
+                # (it waits in SGLang's queue until the room frees)
+                no_room.append(rid)
+                continue
+            _insert_prefix(self, pool, tokens[rid], kv, chunk_bytes)
     phase["reseed"] = _reseed(self)
     phase["switch"] += time.perf_counter() - t
     peaks = {} if kv_spy is None else dict(kv_peak_bytes=kv_spy.peak, reshard_peak_bytes=reshard_peak)
@@ -343,7 +350,7 @@ def _switch(self, state: dict[str, str], transport, dst_groups: list[list[int]],
                                             and t.dst_device == rank) * len(pool.k_buffer) * 2 * pool.head_dim
                             * pool.k_buffer[0].element_size(),
                             layout=[list(g) for g in st.groups], kv_heads=int(pool.head_num), kv_tokens=kv_room_tokens,
-                            **peaks))
+                            no_room=no_room, reclaim=kv_room.reclaim_info(self), **peaks))
 
 
 def _reshard_and_rebuild(self, state: dict[str, str], transport, src: Layout, dst: Layout, hf: dict,

@@ -76,8 +76,10 @@ def engine_spec(hw: SimHardware) -> EngineSpec:
 
 def pat_hardware(hw: SimHardware, room: str = "pool") -> SimHardware:
     """The truth PAT and the oracle run on: "pool", the room pat_rollout's pool has in each layout
-    (SimHardware.pool); "reclaiming", a pool that gives the weight memory a grow frees to the KV cache (the
-    stock engine's room, SimHardware.reclaiming). Static layouts run on `hw` itself (a stock engine)."""
+    (SimHardware.pool); "reclaiming", a pool that gives the weight memory a grow frees to the KV cache
+    (planner.capacity's "sglang-pool-reclaim" rule without granule loss, which is the stock engine's room:
+    SimHardware.reclaiming; the loss is < 0.6% of the freed bytes for Llama-3.1-8B, docs/kv_reclaim.md). Static
+    layouts run on `hw` itself (a stock engine)."""
     if room == "pool":
         return hw.pool()
     if room == "reclaiming":
