@@ -141,6 +141,48 @@ def test_hung_engine_core_misses_its_deadline(pool):
 
 
 
+# phase -> (request-id tag, what the error says, engines of the old layout restarted by the rollback, requests
+# exported before the fault and resubmitted by the rollback)
+FAULTS = {
+    "export": ("e", "after exporting replica 0", 0, 2),  # replica 0 exported, replica 1 not: both engines kept
+    "stop": ("p", "after stopping replica 0", 1, 4),  # replica 0's engine stopped (restarted), replica 1's kept
+    "import": ("i", "after resubmitting request", 2, 4),  # on the new TP2 engine: it stops, both TP1 engines restart
+}
+
+
+@pytest.mark.parametrize("phase", list(FAULTS))
+def test_fault_in_switch_phase_rolls_back_to_the_old_layout(pool, unswitched, phase):
+    """A fault injected in one phase of 2 x TP1 -> 1 x TP2 (part-way through it: some replicas exported, stopped,
+    or some requests resubmitted) rolls back to 2 x TP1: the error names the phase, every request is back on
+    the replica it ran on (engines still running are kept), and greedy outputs end equal to the unswitched
+    run's, token for token. (The start phase: test_update_weights_then_failed_switch_rolls_back.)"""
+    tag, where, restarted, exported = FAULTS[phase]
+    assert pool.layout == Layout.uniform(2, 1)
+    reqs = [Request(request_id=tag + r.request_id[1:], prompt_token_ids=r.prompt_token_ids, sampling=r.sampling)
+            for r in _requests("u")]
+    split = _split(reqs, 2)
+    pool.add_requests(split)
+    assert not _run(pool, steps=3)
+    pids = [rep.engine_core_pid() for rep in pool.replicas]
+    pool.fail_next(phase)
+    t0 = time.monotonic()
+    with pytest.raises(ReconfigurationError, match=f"phase {phase} .*injected failure in VllmPool switch phase "
+                                                   f"'{phase}' {where}.*rolled back to the old layout 2xTP1.* "
+                                                   f"\\({restarted} engines restarted\\), {exported} of 4 unfinished") as e:
+        pool.reconfigure(2, {r.request_id: i % 2 for i, r in enumerate(reqs)})
+    print(f"{phase}: rolled back in {time.monotonic() - t0:.1f} s")
+    assert pool.layout == Layout.uniform(2, 1) and len(pool.replicas) == 2
+    assert e.value.assignment == {r.request_id: i for i, rs in split.items() for r in rs}
+    kept = [old == rep.engine_core_pid() for old, rep in zip(pids, pool.replicas)]
+    assert kept.count(False) == restarted, (pids, kept)
+    done = _run(pool)
+    assert sorted(done) == sorted(r.request_id for r in reqs)
+    for rid, o in done.items():
+        ref = unswitched[rid[1:]]
+        assert o.token_ids == ref.token_ids, (phase, rid)
+        assert o.log_probs == pytest.approx(ref.log_probs, abs=LOGPROB_ATOL), (phase, rid)
+
+
 def test_update_weights_then_failed_switch_rolls_back(pool, tmp_path_factory):
     """Load another checkpoint's tensors (HF names, two buckets) into 2 x TP1: every rank holds them once the
     pool serves. Then a switch whose engine fails to start rolls back to 2 x TP1 (fresh engines, started from the
@@ -169,8 +211,10 @@ def test_update_weights_then_failed_switch_rolls_back(pool, tmp_path_factory):
     assert holds_update()
     done = _run(pool, steps=3)
     assert not done
-    pool.fail_at = "start"  # the new layout's (only) engine fails to start
-    with pytest.raises(ReconfigurationError, match="phase start .*injected failure starting replica 0") as e:
+    pool.fail_next("start")  # the new layout's (only) engine fails to start
+    with pytest.raises(ReconfigurationError, match="phase start .*injected failure in VllmPool switch phase "
+                                                   "'start' starting replica 0 .*rolled back to the old layout "
+                                                   "2xTP1.* \\(2 engines restarted\\)") as e:
         pool.reconfigure(2, {r.request_id: i % 2 for i, r in enumerate(reqs)})
     assert pool.layout == pool.base == Layout.uniform(2, 1) and len(pool.replicas) == 2
     assert sorted(e.value.assignment) == sorted(r.request_id for r in reqs)
