@@ -13,6 +13,7 @@ import signal
 import time
 
 import pytest
+import torch
 
 pytest.importorskip("vllm")
 
@@ -83,6 +84,24 @@ def test_2xtp1_equals_hf(pool, unswitched, vllm_model):
         assert o.finish_reason == "length" and o.prompt_token_ids == r.prompt_token_ids
 
 
+def _assert_kv_split_by_heads(tp1: dict, tp2: list[dict]) -> None:
+    """The KV hand-off's layout fact (pat_rollout/vllm/README.md, "KV migration"): the KV blocks TP2 rank h holds
+    for a request are the TP1 replica's blocks of KV head h, element for element, whatever the attention
+    backend's packing inside a block; so a switch between TP1 and TP2 moves whole per-head sub-blocks. Both
+    engines are fresh (unwritten KV is zero; the engine core may have run a few steps past what the pool read
+    before the abort): compared where both wrote, at least the 15 tokens (7 prompt + 8 generated) s0 had at the
+    switch, K and V (2 x head_dim 32 values per token and head)."""
+    assert sorted(tp1) == sorted(tp2[0]) == sorted(tp2[1]) and len(tp1) == 2  # 2 layers
+    for layer, full in tp1.items():
+        assert full.shape[1] == 2 and all(r[layer].shape[1] == 1 for r in tp2)
+        for h in range(2):
+            part = tp2[h][layer][:, 0]
+            ref = full[:part.shape[0], h]
+            both = (part != 0) & (ref != 0)
+            assert int(both.sum()) >= 15 * 64, (layer, h, int(both.sum()))
+            assert torch.allclose(ref[both], part[both], atol=1e-4), (layer, h)
+
+
 def test_switch_mid_decode_2xtp1_tp2_2xtp1_equals_unswitched(pool, unswitched):
     assert pool.layout == Layout.uniform(2, 1)
     reqs = _requests("s")
@@ -104,10 +123,14 @@ def test_switch_mid_decode_2xtp1_tp2_2xtp1_equals_unswitched(pool, unswitched):
     assert sorted(mid) == sorted(seen) and all(seen[rid] < n < MAX_NEW for rid, n in mid.items()), (seen, mid)
     rank0, rank1 = pool.replicas[0].rank_token_ids()  # the TP2 replica's two workers
     assert len(rank0) == len(mid) and rank0 == rank1  # every request, sampled ones included: same ids on both
+    kv_tp2 = pool.replicas[0].kv_blocks("s0")  # per rank, per layer: [blocks, 1 KV head, ...] (a fresh engine)
 
     res = pool.reconfigure(1, {rid: 0 for rid in mid})
     assert pool.layout == Layout.uniform(2, 1) and sorted(res.recomputed) == sorted(mid)
     assert set(res.assignment.values()) == {0, 1}
+    done.update(_run(pool, steps=1))
+    assert "s0" not in done
+    _assert_kv_split_by_heads(pool.replicas[res.assignment["s0"]].kv_blocks("s0")[0], kv_tp2)
     done.update(_run(pool))
     assert sorted(done) == sorted(r.request_id for r in reqs + sampled)
     for r in sampled:
