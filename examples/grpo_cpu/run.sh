@@ -7,11 +7,13 @@
 #   KL=1 bash examples/grpo_cpu/run.sh                  # + reference policy and KL loss
 #   TRAINER=v1 NUM_ACTORS=4 bash examples/grpo_cpu/run.sh
 #   WANDB=1 bash examples/grpo_cpu/run.sh               # + wandb, offline, under $WORK_DIR/wandb
+#   PAT_BACKEND=vllm PYTHON=.venv-vllm/bin/python bash examples/grpo_cpu/run.sh   # PAT on vLLM engines
 #   bash examples/grpo_cpu/run.sh trainer.total_training_steps=5   # extra Hydra overrides go last
 #
 # Knobs (env): WORK_DIR (assets, logs, checkpoints; default /tmp/pat_grpo_cpu), PYTHON, ALGO=grpo|ppo, KL=0|1,
 # TRAINER=legacy|v1, NUM_ACTORS=2|4 (one PAT pool of that many devices, TP 1..NUM_ACTORS), STEPS, WANDB=0|1,
-# PAT_POLICY=pat|static (static: never reconfigure, the baseline), LAUNCH=local|submit (submit: `ray job submit`
+# PAT_POLICY=pat|static (static: never reconfigure, the baseline), PAT_BACKEND=reference|vllm (vllm: the vLLM venv
+# of `make install-vllm`, a model with head_dim 32, model_hd32/), LAUNCH=local|submit (submit: `ray job submit`
 # to RAY_ADDRESS, see submit.sh), PRINT_OVERRIDES=1 (print the Hydra overrides and exit).
 set -euo pipefail
 
@@ -28,8 +30,14 @@ NUM_ACTORS=${NUM_ACTORS:-2}
 STEPS=${STEPS:-3}
 WANDB=${WANDB:-0}
 PAT_POLICY=${PAT_POLICY:-pat}
+PAT_BACKEND=${PAT_BACKEND:-reference}
 LAUNCH=${LAUNCH:-local}
-EXPERIMENT=${EXPERIMENT:-${ALGO}_${TRAINER}_${NUM_ACTORS}actors}
+case "$PAT_BACKEND" in  # vLLM's CPU attention needs head_dim >= 32 (the tiny preset's is 16)
+    reference) HEAD_DIM_ARGS=(); MODEL=$WORK_DIR/model; SUFFIX= ;;
+    vllm) HEAD_DIM_ARGS=(--head-dim 32); MODEL=$WORK_DIR/model_hd32; SUFFIX=_vllm ;;
+    *) echo "PAT_BACKEND=$PAT_BACKEND: expected reference or vllm" >&2; exit 2 ;;
+esac
+EXPERIMENT=${EXPERIMENT:-${ALGO}_${TRAINER}_${NUM_ACTORS}actors$SUFFIX}
 
 case "$ALGO" in grpo) ADV=grpo ;; ppo) ADV=gae ;; *) echo "ALGO=$ALGO: expected grpo or ppo" >&2; exit 2 ;; esac
 case "$TRAINER" in legacy) USE_V1=false ;; v1) USE_V1=true ;; *) echo "TRAINER=$TRAINER: expected legacy or v1" >&2; exit 2 ;; esac
@@ -60,7 +68,7 @@ ARGS=(
     "data.filter_overlong_prompts=false"
     "data.truncation=error"
     "data.dataloader_num_workers=0"
-    "actor_rollout_ref.model.path=$WORK_DIR/model"
+    "actor_rollout_ref.model.path=$MODEL"
     # CPU: no flash-attention kernels, no unpadded (varlen) attention
     "actor_rollout_ref.model.use_remove_padding=false"
     "+actor_rollout_ref.model.override_config.attn_implementation=sdpa"
@@ -72,7 +80,7 @@ ARGS=(
     "+actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype=fp32"
     "+actor_rollout_ref.ref.fsdp_config.mixed_precision.param_dtype=fp32"
     "+critic.fsdp.mixed_precision.param_dtype=fp32"
-    "critic.model.path=$WORK_DIR/model"
+    "critic.model.path=$MODEL"
     "critic.model.use_remove_padding=false"
     "+critic.model.override_config.attn_implementation=sdpa"
     "critic.ppo_micro_batch_size_per_gpu=2"
@@ -98,7 +106,7 @@ ARGS=(
     "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=2"
     "actor_rollout_ref.rollout.agent.num_workers=1"
     "+actor_rollout_ref.rollout.agent.agent_loop_manager_class=pat_rollout.verl.agent_loop.PatAgentLoopManager"
-    "+actor_rollout_ref.rollout.engine_kwargs.pat.backend=reference"
+    "+actor_rollout_ref.rollout.engine_kwargs.pat.backend=$PAT_BACKEND"
     "+actor_rollout_ref.rollout.engine_kwargs.pat.policy=$PAT_POLICY"
     "+actor_rollout_ref.rollout.engine_kwargs.pat.initial_tp=1"
     "+actor_rollout_ref.rollout.engine_kwargs.pat.candidate_tps=$CANDIDATE_TPS"
@@ -150,7 +158,7 @@ if [[ "${PRINT_OVERRIDES:-0}" == 1 ]]; then
     exit 0
 fi
 
-"$PYTHON" "$HERE/make_assets.py" --out "$WORK_DIR" >/dev/null
+"$PYTHON" "$HERE/make_assets.py" --out "$WORK_DIR" ${HEAD_DIM_ARGS[@]+"${HEAD_DIM_ARGS[@]}"} >/dev/null
 mkdir -p "$WORK_DIR/$EXPERIMENT"
 cd "$REPO"
 if [[ "$LAUNCH" == local ]]; then

@@ -104,7 +104,7 @@ class VllmPool(Pool):
         self.args = engine_args(config, spec, **overrides)
         self.replicas: list[Any] = []
         self.switches = 0
-        self.fail_at: str | None = None  # test hook: "start" makes the next switch's engine start fail
+        self.fault: tuple[str, float] | None = None  # test hook (`fail_next`): (phase, seconds to hang first)
         self.pending: dict[str, Any] = {}  # HF name -> CPU tensor: updates not yet in the engines
         self.weights_dir: str | None = None  # the pool's own checkpoint with every update so far (engines load it)
         t0 = time.perf_counter()
@@ -122,9 +122,8 @@ class VllmPool(Pool):
         made: list[Any] = []
         try:
             for r, group in enumerate(layout.groups):
-                if self.fail_at == "start" and r == len(layout.groups) - 1:
-                    self.fail_at = None
-                    raise RuntimeError(f"injected failure starting replica {r} of {layout}")
+                if r == len(layout.groups) - 1:
+                    self._maybe_fail("start", f"starting replica {r} of {layout}")
                 args = {**self.args, "seed": replica_seed(self.args["seed"], self.switches, r)}
                 made.append(VllmReplica(r, group, args, replica_env(group, self.num_devices, self.device),
                                         eos_token_ids=self.spec.eos_token_ids))
@@ -207,45 +206,68 @@ class VllmPool(Pool):
             raise ValueError(f"TP{tp} is not one of this pool's TP sizes {self.config.tp_sizes}")
         return Layout.uniform(self.num_devices, tp)
 
+    # Phases of a switch, in order; `fail_next` injects a fault into one (tests).
+    PHASES = ("export", "stop", "start", "import")
+
+    def fail_next(self, phase: str, hang_s: float = 0.0) -> None:
+        """Test hook: the next switch raises in `phase` (one of PHASES), after hanging `hang_s` seconds if given.
+        export and stop fail after the first replica's export / stop (some done, some not), start when the new
+        layout's last engine starts (the others started), import after the first request was resubmitted."""
+        if phase not in self.PHASES:
+            raise ValueError(f"unknown switch phase {phase!r}; one of {self.PHASES}")
+        self.fault = (phase, hang_s)
+
+    def _maybe_fail(self, phase: str, where: str) -> None:
+        if self.fault is None or self.fault[0] != phase:
+            return
+        hang_s = self.fault[1]
+        self.fault = None
+        if hang_s:
+            time.sleep(hang_s)
+        raise RuntimeError(f"injected failure in VllmPool switch phase {phase!r} {where}")
+
     def reconfigure(self, dst_tp: int, assignment: dict[str, int]) -> ReconfigResult:
+        """Export every unfinished request (exact tokens so far), stop the old layout's engines, start the new
+        layout's, resubmit every request there (recomputation). A failure in any phase rolls back to the old
+        layout (`_roll_back`: its engines that still run are kept, the stopped ones start again, every request
+        goes back to its replica) and raises ReconfigurationError naming the phase; a failed rollback is
+        PoolBrokenError."""
         t_start = time.perf_counter()
         src, dst = self.layout, self.layout_for(dst_tp)
         self._flush_weights()  # the new engines start from the pool's checkpoint
         result = ReconfigResult(src=src, dst=dst)
         self.switches += 1
-        t = time.perf_counter()
-        tracked = [tr for rep in self.replicas for tr in rep.export()]
-        result.phase_s["export"] = time.perf_counter() - t
-        t = time.perf_counter()
+        old = list(self.replicas)  # src's engines, by replica index
+        exported: list[tuple[int, Any]] = []  # (replica of src, tracked request)
+        phase = "export"
         try:
-            self._stop()
-        except WorkerError as e:
-            raise PoolBrokenError(f"vLLM switch {src} -> TP{dst_tp}, phase stop: {e}") from e
-        result.phase_s["stop"] = time.perf_counter() - t
-        states = [tr.state() for tr in tracked]
-        new_assign = balance_states(states, dst.num_replicas)
-        t = time.perf_counter()
-        try:
+            t = time.perf_counter()
+            for rep in old:
+                exported += [(rep.index, tr) for tr in rep.export()]
+                self._maybe_fail("export", f"after exporting replica {rep.index}")
+            result.phase_s["export"] = time.perf_counter() - t
+            phase, t = "stop", time.perf_counter()
+            for rep in old:
+                rep.shutdown()
+                self._maybe_fail("stop", f"after stopping replica {rep.index}")
+            self.replicas = []
+            result.phase_s["stop"] = time.perf_counter() - t
+            states = [tr.state() for _, tr in exported]
+            new_assign = balance_states(states, dst.num_replicas)
+            phase, t = "start", time.perf_counter()
             self.replicas = self._start(dst)
+            self.layout = dst
+            result.phase_s["start"] = time.perf_counter() - t
+            phase, t = "import", time.perf_counter()
+            for n, (_, tr) in enumerate(exported):
+                self.replicas[new_assign[tr.request.request_id]].resume(tr)
+                if n == 0:
+                    self._maybe_fail("import", f"after resubmitting request {tr.request.request_id!r}")
+            result.phase_s["import"] = time.perf_counter() - t
         except Exception as e:
-            what = f"vLLM switch {src} -> TP{dst_tp}"
-            try:
-                self.replicas = self._start(self.base)
-                self.layout = self.base
-                base_assign = balance_states(states, self.base.num_replicas)
-                self._resubmit(tracked, base_assign)
-            except Exception as e2:
-                raise PoolBrokenError(f"{what} failed ({e}), and restarting the base layout {self.base} failed "
-                                      f"({e2}); the pool is broken") from e2
-            err = ReconfigurationError(f"{what} failed in phase start ({e}); rolled back to base layout {self.base}, "
-                                       f"{len(states)} unfinished requests resubmitted for recomputation")
-            err.assignment = {rid: base_assign[rid] for rid in assignment if rid in base_assign}
+            err = self._roll_back(src, old, exported, f"vLLM switch {src} -> TP{dst_tp}", phase, e)
+            err.assignment = {rid: r for rid, r in err.assignment.items() if rid in assignment}
             raise err from e
-        result.phase_s["start"] = time.perf_counter() - t
-        self.layout = dst
-        t = time.perf_counter()
-        self._resubmit(tracked, new_assign)
-        result.phase_s["import"] = time.perf_counter() - t
         result.assignment = {rid: new_assign[rid] for rid in assignment if rid in new_assign}
         result.recomputed = tuple(s.request_id for s in states)
         result.total_s = time.perf_counter() - t_start
@@ -253,9 +275,45 @@ class VllmPool(Pool):
                     {k: round(v, 4) for k, v in result.phase_s.items()}, len(result.recomputed))
         return result
 
-    def _resubmit(self, tracked: list[Any], assign: dict[str, int]) -> None:
-        for tr in tracked:
-            self.replicas[assign[tr.request.request_id]].resume(tr)
+    def _roll_back(self, src: Layout, old: list[Any], exported: list[tuple[int, Any]], what: str, phase: str,
+                   cause: Exception) -> ReconfigurationError:
+        """Back to `src` after a switch failed in `phase`: the new layout's engines (if any) stop, src's engines
+        that still run are kept (an engine of `old` with no engine object was stopped), the others start again,
+        and every exported request is resubmitted to its src replica (recomputation). Returns the
+        ReconfigurationError to raise; PoolBrokenError if the pool cannot get back."""
+        try:
+            new = [rep for rep in self.replicas if all(rep is not o for o in old)]
+            for rep in new:
+                rep.shutdown()
+            from pat_rollout.vllm.replica import VllmReplica
+
+            replicas: list[Any] = []
+            restarted = 0
+            for rep in old:
+                if rep.engine is not None:
+                    replicas.append(rep)
+                    continue
+                restarted += 1
+                r, group = rep.index, src.groups[rep.index]
+                args = {**self.args, "seed": replica_seed(self.args["seed"], self.switches, r)}
+                replicas.append(VllmReplica(r, group, args, replica_env(group, self.num_devices, self.device),
+                                            eos_token_ids=self.spec.eos_token_ids))
+            self.replicas, self.layout = replicas, src
+            self.kv_tokens = min(rep.kv_tokens for rep in replicas)
+            for r, tr in exported:
+                self.replicas[r].resume(tr)
+        except Exception as e2:
+            for rep in self.replicas:
+                try:
+                    rep.shutdown()
+                except Exception:  # best effort: the pool is broken anyway
+                    pass
+            raise PoolBrokenError(f"{what} failed in phase {phase} ({cause!r}), and rolling back to {src} failed "
+                                  f"({e2!r}); the pool is broken") from e2
+        assignment = {rid: rep.index for rep in self.replicas for rid in rep.tracked}
+        return ReconfigurationError(f"{what} failed in phase {phase} ({cause!r}); rolled back to the old layout "
+                                    f"{src} ({restarted} engines restarted), {len(exported)} of {len(assignment)} "
+                                    f"unfinished requests resubmitted there for recomputation", assignment)
 
     # ---- weights, memory, info -------------------------------------------------------------------
     def update_weights(self, named_tensors: list[tuple[str, Any]]) -> None:

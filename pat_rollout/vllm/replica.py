@@ -197,6 +197,14 @@ class VllmReplica:
         (`worker_ext.PatWorkerExtension.pat_token_ids`)."""
         return self.engine.collective_rpc("pat_token_ids")
 
+    def kv_blocks(self, request_id: str) -> list[dict[str, Any]]:
+        """Per TP rank of this replica (index = rank): every KV block of `request_id` as the rank stores it, per
+        attention layer ("0", "1", ...) [blocks, this rank's KV heads, ...] (`PatWorkerExtension.pat_read_kv_blocks`;
+        the KV hand-off's read, tests)."""
+        from pat_rollout.vllm.worker_ext import unpack_tensors
+
+        return [dict(unpack_tensors(p)) for p in self.engine.collective_rpc("pat_read_kv_blocks", args=(request_id,))]
+
     def reload_weights(self, weights_dir: str, timeout_s: float) -> None:
         """Every rank reloads its shards in place from the checkpoint in `weights_dir` (vLLM's worker method
         `reload_weights`: layerwise reload, the CPU repacking redone)."""

@@ -2,7 +2,7 @@
 worker class in its own process), called by name over `LLMEngine.collective_rpc`, so no callable is pickled.
 
 The hook the target design's switch RPCs (regroup, reshard, KV hand-off) will live on; today: reading a rank's
-state for tests. Weight updates use vLLM's own `reload_weights` worker method instead of `model.load_weights`:
+state (token ids, parameters, a request's KV blocks) for tests and the KV hand-off's read. Weight updates use vLLM's own `reload_weights` worker method instead of `model.load_weights`:
 on CPU vLLM repacks linear weights after loading and leaves the parameters `load_weights` writes empty (seen on
 0.32.0: "Attempted to load weight (torch.Size([128, 128])) into parameter (torch.Size([0]))"). Runs inside vLLM
 workers only.
@@ -29,6 +29,18 @@ class PatWorkerExtension:
         batch: Any = self.model_runner.input_batch  # type: ignore[attr-defined]
         return {rid: batch.token_ids_cpu[i, :int(batch.num_tokens_no_spec[i])].tolist()
                 for i, rid in enumerate(batch.req_ids) if rid is not None}
+
+    def pat_read_kv_blocks(self, request_id: str) -> list[tuple[str, str, list[int], bytes]]:
+        """Every KV block of request `request_id` (vLLM's id with or without its `-<suffix>`) as this rank stores
+        it, per attention layer [blocks, kv_heads of this rank, ...] (the block interior is the attention
+        backend's own packing), packed (`pack_tensors`)."""
+        runner: Any = self.model_runner  # type: ignore[attr-defined]
+        state = runner.requests.get(request_id) or next(
+            (s for k, s in runner.requests.items() if k.rsplit("-", 1)[0] == request_id), None)
+        if state is None:
+            raise KeyError(f"request {request_id!r} is not on this worker")
+        blocks = torch.tensor(state.block_ids[0])
+        return pack_tensors([(str(i), layer[blocks]) for i, layer in enumerate(runner.kv_caches)])
 
 
 def pack_tensors(named: list[tuple[str, torch.Tensor]]) -> list[tuple[str, str, list[int], bytes]]:

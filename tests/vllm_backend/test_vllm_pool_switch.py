@@ -13,6 +13,7 @@ import signal
 import time
 
 import pytest
+import torch
 
 pytest.importorskip("vllm")
 
@@ -83,6 +84,24 @@ def test_2xtp1_equals_hf(pool, unswitched, vllm_model):
         assert o.finish_reason == "length" and o.prompt_token_ids == r.prompt_token_ids
 
 
+def _assert_kv_split_by_heads(tp1: dict, tp2: list[dict]) -> None:
+    """The KV hand-off's layout fact (pat_rollout/vllm/README.md, "KV migration"): the KV blocks TP2 rank h holds
+    for a request are the TP1 replica's blocks of KV head h, element for element, whatever the attention
+    backend's packing inside a block; so a switch between TP1 and TP2 moves whole per-head sub-blocks. Both
+    engines are fresh (unwritten KV is zero; the engine core may have run a few steps past what the pool read
+    before the abort): compared where both wrote, at least the 15 tokens (7 prompt + 8 generated) s0 had at the
+    switch, K and V (2 x head_dim 32 values per token and head)."""
+    assert sorted(tp1) == sorted(tp2[0]) == sorted(tp2[1]) and len(tp1) == 2  # 2 layers
+    for layer, full in tp1.items():
+        assert full.shape[1] == 2 and all(r[layer].shape[1] == 1 for r in tp2)
+        for h in range(2):
+            part = tp2[h][layer][:, 0]
+            ref = full[:part.shape[0], h]
+            both = (part != 0) & (ref != 0)
+            assert int(both.sum()) >= 15 * 64, (layer, h, int(both.sum()))
+            assert torch.allclose(ref[both], part[both], atol=1e-4), (layer, h)
+
+
 def test_switch_mid_decode_2xtp1_tp2_2xtp1_equals_unswitched(pool, unswitched):
     assert pool.layout == Layout.uniform(2, 1)
     reqs = _requests("s")
@@ -104,10 +123,14 @@ def test_switch_mid_decode_2xtp1_tp2_2xtp1_equals_unswitched(pool, unswitched):
     assert sorted(mid) == sorted(seen) and all(seen[rid] < n < MAX_NEW for rid, n in mid.items()), (seen, mid)
     rank0, rank1 = pool.replicas[0].rank_token_ids()  # the TP2 replica's two workers
     assert len(rank0) == len(mid) and rank0 == rank1  # every request, sampled ones included: same ids on both
+    kv_tp2 = pool.replicas[0].kv_blocks("s0")  # per rank, per layer: [blocks, 1 KV head, ...] (a fresh engine)
 
     res = pool.reconfigure(1, {rid: 0 for rid in mid})
     assert pool.layout == Layout.uniform(2, 1) and sorted(res.recomputed) == sorted(mid)
     assert set(res.assignment.values()) == {0, 1}
+    done.update(_run(pool, steps=1))
+    assert "s0" not in done
+    _assert_kv_split_by_heads(pool.replicas[res.assignment["s0"]].kv_blocks("s0")[0], kv_tp2)
     done.update(_run(pool))
     assert sorted(done) == sorted(r.request_id for r in reqs + sampled)
     for r in sampled:
@@ -141,6 +164,48 @@ def test_hung_engine_core_misses_its_deadline(pool):
 
 
 
+# phase -> (request-id tag, what the error says, engines of the old layout restarted by the rollback, requests
+# exported before the fault and resubmitted by the rollback)
+FAULTS = {
+    "export": ("e", "after exporting replica 0", 0, 2),  # replica 0 exported, replica 1 not: both engines kept
+    "stop": ("p", "after stopping replica 0", 1, 4),  # replica 0's engine stopped (restarted), replica 1's kept
+    "import": ("i", "after resubmitting request", 2, 4),  # on the new TP2 engine: it stops, both TP1 engines restart
+}
+
+
+@pytest.mark.parametrize("phase", list(FAULTS))
+def test_fault_in_switch_phase_rolls_back_to_the_old_layout(pool, unswitched, phase):
+    """A fault injected in one phase of 2 x TP1 -> 1 x TP2 (part-way through it: some replicas exported, stopped,
+    or some requests resubmitted) rolls back to 2 x TP1: the error names the phase, every request is back on
+    the replica it ran on (engines still running are kept), and greedy outputs end equal to the unswitched
+    run's, token for token. (The start phase: test_update_weights_then_failed_switch_rolls_back.)"""
+    tag, where, restarted, exported = FAULTS[phase]
+    assert pool.layout == Layout.uniform(2, 1)
+    reqs = [Request(request_id=tag + r.request_id[1:], prompt_token_ids=r.prompt_token_ids, sampling=r.sampling)
+            for r in _requests("u")]
+    split = _split(reqs, 2)
+    pool.add_requests(split)
+    assert not _run(pool, steps=3)
+    pids = [rep.engine_core_pid() for rep in pool.replicas]
+    pool.fail_next(phase)
+    t0 = time.monotonic()
+    with pytest.raises(ReconfigurationError, match=f"phase {phase} .*injected failure in VllmPool switch phase "
+                                                   f"'{phase}' {where}.*rolled back to the old layout 2xTP1.* "
+                                                   f"\\({restarted} engines restarted\\), {exported} of 4 unfinished") as e:
+        pool.reconfigure(2, {r.request_id: i % 2 for i, r in enumerate(reqs)})
+    print(f"{phase}: rolled back in {time.monotonic() - t0:.1f} s")
+    assert pool.layout == Layout.uniform(2, 1) and len(pool.replicas) == 2
+    assert e.value.assignment == {r.request_id: i for i, rs in split.items() for r in rs}
+    kept = [old == rep.engine_core_pid() for old, rep in zip(pids, pool.replicas)]
+    assert kept.count(False) == restarted, (pids, kept)
+    done = _run(pool)
+    assert sorted(done) == sorted(r.request_id for r in reqs)
+    for rid, o in done.items():
+        ref = unswitched[rid[1:]]
+        assert o.token_ids == ref.token_ids, (phase, rid)
+        assert o.log_probs == pytest.approx(ref.log_probs, abs=LOGPROB_ATOL), (phase, rid)
+
+
 def test_update_weights_then_failed_switch_rolls_back(pool, tmp_path_factory):
     """Load another checkpoint's tensors (HF names, two buckets) into 2 x TP1: every rank holds them once the
     pool serves. Then a switch whose engine fails to start rolls back to 2 x TP1 (fresh engines, started from the
@@ -169,8 +234,10 @@ def test_update_weights_then_failed_switch_rolls_back(pool, tmp_path_factory):
     assert holds_update()
     done = _run(pool, steps=3)
     assert not done
-    pool.fail_at = "start"  # the new layout's (only) engine fails to start
-    with pytest.raises(ReconfigurationError, match="phase start .*injected failure starting replica 0") as e:
+    pool.fail_next("start")  # the new layout's (only) engine fails to start
+    with pytest.raises(ReconfigurationError, match="phase start .*injected failure in VllmPool switch phase "
+                                                   "'start' starting replica 0 .*rolled back to the old layout "
+                                                   "2xTP1.* \\(2 engines restarted\\)") as e:
         pool.reconfigure(2, {r.request_id: i % 2 for i, r in enumerate(reqs)})
     assert pool.layout == pool.base == Layout.uniform(2, 1) and len(pool.replicas) == 2
     assert sorted(e.value.assignment) == sorted(r.request_id for r in reqs)

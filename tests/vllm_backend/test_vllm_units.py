@@ -63,3 +63,88 @@ def test_engine_args_take_the_config_then_the_overrides(tiny_models):
     assert kw["worker_extension_cls"] == "pat_rollout.vllm.worker_ext.PatWorkerExtension"
     with pytest.raises(ValueError, match="apply to backend='sglang' or 'vllm' only"):
         PatRolloutConfig(model_path="m", num_devices=2, engine_args={"x": 1})
+
+
+
+class _FakeReplica:
+    """Stands in for `replica.VllmReplica` (no vLLM): holds requests, and an engine that a shutdown drops."""
+
+    started: list[tuple[int, tuple[int, ...]]] = []
+
+    def __init__(self, index, devices, args, env, eos_token_ids=()):
+        self.index, self.devices, self.engine, self.tracked = index, tuple(devices), object(), {}
+        self.kv_tokens, self.block_size, self.num_blocks = 1024, 16, 64
+        _FakeReplica.started.append((index, self.devices))
+
+    def resume(self, t):
+        self.tracked[t.request.request_id] = t
+
+    def export(self, request_ids=None):
+        return [self.tracked.pop(r) for r in list(self.tracked)]
+
+    def shutdown(self):
+        self.tracked.clear()
+        self.engine = None
+
+
+@pytest.fixture
+def fake_pool(monkeypatch):
+    """A VllmPool over `_FakeReplica`s in 2 x TP1 with requests a, c on replica 0 and b on replica 1."""
+    import sys
+    import types
+
+    from pat_rollout.layout import Layout
+    from pat_rollout.types import Request, SamplingParams
+    from pat_rollout.vllm import pool as vpool
+    from pat_rollout.vllm.replica import Tracked
+
+    fake = types.ModuleType("pat_rollout.vllm.replica")
+    fake.VllmReplica = _FakeReplica
+    monkeypatch.setitem(sys.modules, "pat_rollout.vllm.replica", fake)
+    _FakeReplica.started = []
+    p = object.__new__(vpool.VllmPool)
+    p.config = PatRolloutConfig(model_path="m", num_devices=2, backend="vllm", candidate_tps=(1, 2))
+    p.spec = types.SimpleNamespace(eos_token_ids=(), check_tp=lambda tp: None)
+    p.num_devices, p.device, p.args = 2, "cpu", {"seed": 1, "model": "m"}
+    p.base = p.layout = Layout.uniform(2, 1)
+    p.switches, p.fault, p.pending, p.weights_dir = 0, None, {}, None
+    p.replicas = p._start(p.base)
+    sp = SamplingParams(max_new_tokens=8)
+    for rid, r in (("a", 0), ("b", 1), ("c", 0)):
+        p.replicas[r].resume(Tracked(request=Request(request_id=rid, prompt_token_ids=(1, 2), sampling=sp),
+                                     prefix_ids=(5,), prefix_lps=(-0.5,)))
+    return p
+
+
+# per phase: engines of 2 x TP1 restarted by the rollback, requests exported before the fault (resubmitted)
+ROLLBACKS = {"export": (0, 2), "stop": (1, 3), "start": (2, 3), "import": (2, 3)}
+
+
+@pytest.mark.parametrize("phase", list(ROLLBACKS))
+def test_a_fault_in_each_switch_phase_rolls_back_to_the_old_layout(fake_pool, phase):
+    """The rollback logic alone (the real-engine version: test_vllm_pool_switch.py): back to 2 x TP1, only the
+    stopped engines restarted, each request on its replica with its tokens so far, the error naming all that."""
+    from pat_rollout.driver.errors import ReconfigurationError
+    from pat_rollout.layout import Layout
+
+    p = fake_pool
+    old = list(p.replicas)
+    restarted, exported = ROLLBACKS[phase]
+    p.fail_next(phase)
+    with pytest.raises(ReconfigurationError, match=rf"failed in phase {phase} \(RuntimeError\(\"injected failure in "
+                                                   rf"VllmPool switch phase '{phase}'.*rolled back to the old layout "
+                                                   rf"2xTP1.*\({restarted} engines restarted\), {exported} of 3 "):
+        p.reconfigure(2, {"a": 0, "b": 1, "c": 0})
+    assert p.layout == Layout.uniform(2, 1) and p.fault is None
+    assert [rep is o for rep, o in zip(p.replicas, old)].count(False) == restarted
+    assert {rid: rep.index for rep in p.replicas for rid in rep.tracked} == {"a": 0, "b": 1, "c": 0}
+    assert all(t.token_ids == (5,) and t.log_probs == (-0.5,) for rep in p.replicas for t in rep.tracked.values())
+    assert all(rep.engine is not None for rep in p.replicas)
+    res = p.reconfigure(2, {"a": 0, "b": 1, "c": 0})  # the next switch goes through
+    assert p.layout == Layout.uniform(2, 2) and res.assignment == {"a": 0, "b": 0, "c": 0}
+    assert sorted(res.recomputed) == ["a", "b", "c"] and list(res.phase_s) == ["export", "stop", "start", "import"]
+
+
+def test_fail_next_rejects_an_unknown_phase(fake_pool):
+    with pytest.raises(ValueError, match="unknown switch phase 'reshard'"):
+        fake_pool.fail_next("reshard")
