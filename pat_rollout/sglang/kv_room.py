@@ -272,6 +272,7 @@ def start_reclaim(scheduler) -> Reclaim:
         else:
             kept = {t: min(n, _numel(spec.local_shape(pos[t], t)) * size) for t in tps}
         weights.append(WeightStorage(name=name, start=mapper.reserve(align_up(n, granule)), nbytes=n, kept=kept))
+    sto = None  # the loop's last storage: the adoption frees each old storage as it goes
     kv = [sto for _, sto in sorted(_storages(pool).items())]
     # a dry plan for the lendable pages, then reservations large enough for every layout
     probe = [KvRegion(start=(1 << 60) + i * (1 << 50), base_bytes=align_up(s.nbytes(), granule),
@@ -279,8 +280,8 @@ def start_reclaim(scheduler) -> Reclaim:
     lendable = ReclaimPlan.build(weights=weights, kv=probe, tps=tps, granule=granule).lent_pages(tps[-1])
     ext = -(-lendable // len(kv)) * granule
     regions = []
-    for s in kv:
-        base = align_up(s.nbytes(), granule)
+    for n in [s.nbytes() for s in kv]:  # no loop variable left holding a storage the adoption should free
+        base = align_up(n, granule)
         regions.append(KvRegion(start=mapper.reserve(base + ext), base_bytes=base, reserved_bytes=base + ext))
     plan = ReclaimPlan.build(weights=weights, kv=regions, tps=tps, granule=granule)
     base_room = room_bytes(pool)
