@@ -175,8 +175,8 @@ class SglPool(Pool):
             raise ValueError(f"SglPool: the KV pool's page_size is {page_size} (engine_args['page_size'] or the "
                              f"attention backend's choice); the KV hand-off moves single-token slots, so it needs "
                              f"page_size=1: set engine_args['page_size']=1 or an attention backend with pages of 1")
-        if config.reclaim_weight_memory:  # (#37) before anything else records addresses (docs/kv_reclaim.md)
-            self.reclaim_start = self._rpc("pat_reclaim_start", path="")
+        # (#37) reclaim_weight_memory: adopt the storages before anything else records addresses (docs/kv_reclaim.md)
+        self.reclaim_start = self._rpc("pat_reclaim_start", path="") if config.reclaim_weight_memory else None
         self._rpc("pat_backup_base")
         self._backup_stale = False  # weights updated since the last host backup (end_weight_update takes one)
         from pat_rollout.sglang import pool_startup  # --- start-up communicators and captures (#35)
