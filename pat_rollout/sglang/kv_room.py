@@ -12,10 +12,12 @@ components keep. `max_prefill_tokens`, `chunked_prefill_size` and the new-token 
 
 With `PatRolloutConfig.reclaim_weight_memory` (RECLAIM_ENV in the scheduler processes; docs/kv_reclaim.md) a
 layout's room is the base room plus the weight bytes its shard no longer uses, as a `vmem.ReclaimPlan` lends them
-in granules (`planner.capacity.reclaim_room_bytes`): at the first switch each KV storage is replaced by one with
-the address range the plan reserves for it, and every switch moves the plan's pages on the mapper before the
-re-view. On CPU the mapper is `vmem.FakeMapper` (the weights keep their host memory; what is checked is the plan
-and SGLang's limits following it); on GPUs the CudaMapper is not wired into SGLang's allocations yet (refused).
+in granules (`planner.capacity.reclaim_room_bytes`): at pool start-up (`start_reclaim`) every parameter storage and
+KV storage is adopted into ranges the device's mapper reserved (`vmem.adopt`), and every switch moves the plan's
+pages on that mapper (a shrink's before the reshard, `before_weights`; a grow's after it, in `set_layout`) before
+the re-view. On CPU the mapper is `vmem.host.HostMapper`: the pages really leave the weights' addresses and appear
+in the KV ranges. On GPUs it would be `vmem.cuda.CudaMapper`; the pool still refuses the flag there
+(docs/kv_reclaim.md says what remains).
 Only stdlib, torch and pat_rollout at import.
 """
 
@@ -28,7 +30,7 @@ import torch
 
 from pat_rollout.planner.capacity import reclaim_room_bytes, tokens_in_room
 from pat_rollout.sglang import compat
-from pat_rollout.vmem import CUDA_GRANULE, FakeMapper, KvRegion, ReclaimPlan, WeightStorage, apply_switch, map_initial
+from pat_rollout.vmem import CUDA_GRANULE, KvRegion, Mapper, ReclaimPlan, WeightStorage, apply_switch
 from pat_rollout.vmem.plan import align_up
 
 RECLAIM_ENV = "PAT_RECLAIM_WEIGHT_MEMORY"  # "1": PatRolloutConfig.reclaim_weight_memory
@@ -159,7 +161,7 @@ class Reclaim:
     now and the base KV room (bytes SGLang allocated)."""
 
     plan: ReclaimPlan
-    mapper: FakeMapper
+    mapper: Mapper
     handles: dict[int, int]
     tp: int
     base_room: int
@@ -176,31 +178,70 @@ def reclaim_state(scheduler) -> Reclaim | None:
 def _reclaim_to(scheduler, pool, tp: int) -> float:
     """Move the plan's pages to the TP=tp mapping (the pool is empty: the switch flushed it) and return its room."""
     st = reclaim_state(scheduler)
-    if st is None:
-        st = scheduler._pat_reclaim = _start_reclaim(scheduler, pool)
+    if st is None:  # SglPool starts it at pool start-up (`start_reclaim`); a bare scheduler here, at its first switch
+        st = start_reclaim(scheduler)
+    _move(scheduler, st, tp)
+    return st.room(tp)
+
+
+def _move(scheduler, st: Reclaim, tp: int) -> None:
     alloc = scheduler.token_to_kv_pool_allocator
     empty = alloc.available_size() >= alloc.size
     used = [0] * len(st.plan.kv) if empty else st.plan.kv_mapped_bytes(st.tp)  # anything live: refuse a shrink
     apply_switch(st.plan, st.mapper, st.handles, st.tp, tp, kv_used_bytes=used)
     st.tp = tp
-    return st.room(tp)
 
 
-def _start_reclaim(scheduler, pool) -> Reclaim:
-    """Build this rank's plan over its live parameters' storages and its KV storages, map the base layout on a
-    FakeMapper, and give each KV storage the address range the plan reserves for it (a new storage: the pool is
-    empty, nothing to copy; later switches keep it)."""
+def before_weights(scheduler, tp: int) -> None:
+    """Before the weights are written for a TP=tp layout (a switch's reshard, a rollback's restore; the KV pool is
+    flushed): pages the TP=tp layout keeps in the weights come home first. A shrink's reshard writes into the tails
+    the larger layout lent (with a HostMapper, touching them before faults). A grow lends after the reshard has
+    compacted the shards (`set_layout`)."""
+    st = reclaim_state(scheduler) if reclaiming() else None
+    if st is not None and st.plan.lent_pages(tp) < st.plan.lent_pages(st.tp):
+        _move(scheduler, st, tp)
+
+
+def _mapper_for(device: torch.device, granule: int):
+    """The mapper and the torch view of its mapped bytes for `device`: HostMapper on the CPU (pages really move in
+    this process's memory), CudaMapper on CUDA."""
+    if device.type == "cpu":
+        from pat_rollout.vmem.host import HostMapper, torch_bytes
+
+        return HostMapper(granule), torch_bytes
+    if device.type == "cuda":
+        from pat_rollout.vmem.cuda import CudaMapper
+        from pat_rollout.vmem.cuda import torch_bytes as cuda_bytes
+
+        index = torch.cuda.current_device() if device.index is None else device.index
+        mapper = CudaMapper(index)
+        if granule % mapper.granule:
+            raise ValueError(f"{RECLAIM_GRANULE_ENV}={granule} is not a multiple of the device's VMM granularity "
+                             f"{mapper.granule}")
+        return mapper, lambda va, n: cuda_bytes(va, n, index)
+    raise NotImplementedError(f"reclaim_weight_memory on {device.type}")
+
+
+def start_reclaim(scheduler) -> Reclaim:
+    """Build this rank's plan over its live parameters' storages and its KV storages, reserve their ranges on the
+    device's mapper, and adopt them (`vmem.adopt`: each storage copied into its mapped base extent and re-pointed,
+    one at a time; parameters keep their objects). Runs in the base layout with an empty pool, at pool start-up
+    (`SglPool.__init__` -> `pat_reclaim_start`, before `pat_backup_base` and `pool_startup.prepare`, which
+    captures the other layouts' CUDA graphs): nothing recorded a non-base address before it. SGLang's own
+    start-up capture of the base layout's graphs ran earlier, over the old addresses: why the pool still refuses
+    the flag on GPUs (docs/kv_reclaim.md); a CPU run has no graphs and cannot show that part."""
     from pat_rollout.layout.layout import Layout
     from pat_rollout.sglang import pool_hooks
     from pat_rollout.sglang.live_model import _hf_config_dict, sglang_specs
+    from pat_rollout.vmem.adopt import adopt
 
+    if reclaim_state(scheduler) is not None:
+        return reclaim_state(scheduler)
+    runner = scheduler.tp_worker.model_runner
+    pool = runner.token_to_kv_pool
     device = pool.k_buffer[0].device
-    if device.type != "cpu":
-        raise NotImplementedError("reclaim_weight_memory on GPUs needs vmem.CudaMapper wired into SGLang's weight "
-                                  "and KV allocations, which is not built yet (docs/kv_reclaim.md)")
     state = pool_hooks.STATE
     granule = int(os.environ.get(RECLAIM_GRANULE_ENV, CUDA_GRANULE))
-    runner = scheduler.tp_worker.model_runner
     model = runner.model
     specs = sglang_specs(_hf_config_dict(scheduler), int(model.model.embed_tokens.num_embeddings_padded))
     tps = sorted(int(t) for t in state.layouts)
@@ -208,44 +249,59 @@ def _start_reclaim(scheduler, pool) -> Reclaim:
     if tps[0] != base_tp:
         raise ValueError(f"reclaim_weight_memory needs the base layout to be the smallest TP: base TP{base_tp}, "
                          f"layouts {tps}")
+    if Layout(state.groups) != Layout(state.base):
+        raise RuntimeError(f"reclaim_weight_memory starts in the base layout ({state.groups} != {state.base})")
     pos = {t: Layout(state.layouts[t]).position(state.rank)[1] for t in tps}
-    mapper = FakeMapper(granule)
-    weights, seen = [], set()
+    mapper, view = _mapper_for(device, granule)
+    weights, groups, index = [], [], {}
     for name, p in model.named_parameters():
         sto = p.untyped_storage()
-        if sto.data_ptr() in seen or sto.nbytes() == 0:
+        if sto.nbytes() == 0:
             continue
-        seen.add(sto.data_ptr())
+        if sto.data_ptr() in index:  # a view of a storage already planned: re-pointed with it, lends nothing more
+            groups[index[sto.data_ptr()]].append(p)
+            w = weights[index[sto.data_ptr()]]
+            weights[index[sto.data_ptr()]] = WeightStorage(name=w.name, start=w.start, nbytes=w.nbytes,
+                                                           kept={t: w.nbytes for t in tps})
+            continue
+        index[sto.data_ptr()] = len(weights)
+        groups.append([p])
         spec, n, size = specs.get(name), sto.nbytes(), p.element_size()
         if spec is None or spec.dim is None or p.storage_offset() != 0:
             kept = {t: n for t in tps}  # replicated (or not at its storage's start): nothing to lend
         else:
             kept = {t: min(n, _numel(spec.local_shape(pos[t], t)) * size) for t in tps}
         weights.append(WeightStorage(name=name, start=mapper.reserve(align_up(n, granule)), nbytes=n, kept=kept))
-    storages = [s for _, s in sorted(_storages(pool).items())]
+    sto = None  # the loop's last storage: the adoption frees each old storage as it goes
+    kv = [sto for _, sto in sorted(_storages(pool).items())]
     # a dry plan for the lendable pages, then reservations large enough for every layout
     probe = [KvRegion(start=(1 << 60) + i * (1 << 50), base_bytes=align_up(s.nbytes(), granule),
-                      reserved_bytes=align_up(s.nbytes(), granule) + (1 << 49)) for i, s in enumerate(storages)]
+                      reserved_bytes=align_up(s.nbytes(), granule) + (1 << 49)) for i, s in enumerate(kv)]
     lendable = ReclaimPlan.build(weights=weights, kv=probe, tps=tps, granule=granule).lent_pages(tps[-1])
-    ext = -(-lendable // len(storages)) * granule
+    ext = -(-lendable // len(kv)) * granule
     regions = []
-    for s in storages:
-        base = align_up(s.nbytes(), granule)
+    for n in [s.nbytes() for s in kv]:  # no loop variable left holding a storage the adoption should free
+        base = align_up(n, granule)
         regions.append(KvRegion(start=mapper.reserve(base + ext), base_bytes=base, reserved_bytes=base + ext))
     plan = ReclaimPlan.build(weights=weights, kv=regions, tps=tps, granule=granule)
-    handles = map_initial(plan, mapper)
     base_room = room_bytes(pool)
-    new = {s.data_ptr(): torch.empty(s.nbytes() + ext, dtype=torch.uint8, device=device).untyped_storage()
-           for s in storages}
-    ks, vs = [], []
-    for k, v in zip(pool.k_buffer, pool.v_buffer):
-        knew, vnew = new[k.untyped_storage().data_ptr()], new[v.untyped_storage().data_ptr()]
-        ks.append(_flat(knew, k.dtype, device)[: k.numel()].view(k.shape))
-        voff = k.numel() if knew.data_ptr() == vnew.data_ptr() else 0  # 0.5.23: K then V in one allocation
-        vs.append(_flat(vnew, v.dtype, device)[voff : voff + v.numel()].view(v.shape))
-    pool.k_buffer, pool.v_buffer = ks, vs
+
+    def repoint_kv(_j: int, old, new) -> None:
+        ptr = old.data_ptr()
+        for i, (k, v) in enumerate(zip(pool.k_buffer, pool.v_buffer)):
+            if k.untyped_storage().data_ptr() == ptr:
+                pool.k_buffer[i] = torch.empty(0, dtype=k.dtype, device=device).set_(new, k.storage_offset(), k.shape,
+                                                                                    k.stride())
+            if v.untyped_storage().data_ptr() == ptr:  # 0.5.23: K then V in one allocation (V's offset kept)
+                pool.v_buffer[i] = torch.empty(0, dtype=v.dtype, device=device).set_(new, v.storage_offset(), v.shape,
+                                                                                    v.stride())
+
+    pool.k_buffer, pool.v_buffer = list(pool.k_buffer), list(pool.v_buffer)
+    handles = adopt(plan, mapper, view, groups, kv, repoint_kv)
     compat.refresh_kv_pointers(pool)
-    return Reclaim(plan=plan, mapper=mapper, handles=handles, tp=base_tp, base_room=base_room)
+    st = scheduler._pat_reclaim = Reclaim(plan=plan, mapper=mapper, handles=handles, tp=base_tp,
+                                          base_room=base_room)
+    return st
 
 
 def _numel(shape) -> int:
@@ -256,12 +312,25 @@ def _numel(shape) -> int:
 
 
 def reclaim_info(scheduler) -> dict | None:
-    """What the reclaiming plan maps now (None when off or before the first switch): for `pat_pool_info`."""
+    """What the reclaiming plan maps now (None when off or before it started): for `pat_pool_info` and the switch
+    result. Besides the plan's numbers, the mapper's own state: its reserved ranges (weights: [start, bytes]; KV:
+    [start, reserved bytes, base bytes]), the bytes it has mapped in each KV range, and whether every page the plan
+    lends now is mapped at its KV slot (the same handle it was created for at its weight address)."""
+    from pat_rollout.vmem.adopt import mapped_in
+
     st = reclaim_state(scheduler)
     if st is None:
         return None
-    return dict(tp=st.tp, granule=st.plan.granule, lent_pages=st.plan.lent_pages(st.tp),
-                reclaimed_bytes=st.plan.reclaimed_bytes(st.tp), freed_bytes=st.plan.freed_bytes(st.tp),
-                room_bytes=st.room(st.tp), kv_mapped_bytes=st.plan.kv_mapped_bytes(st.tp),
-                planned_room={t: st.room(t) for t in st.plan.tps}, peak_physical=st.mapper.peak_physical,
-                physical_bytes=st.mapper.physical_bytes())
+    plan, m = st.plan, st.mapper
+    lent = plan.lent_pages(st.tp)
+    return dict(tp=st.tp, granule=plan.granule, lent_pages=lent, mapper=type(m).__name__,
+                reclaimed_bytes=plan.reclaimed_bytes(st.tp), freed_bytes=plan.freed_bytes(st.tp),
+                room_bytes=st.room(st.tp), kv_mapped_bytes=plan.kv_mapped_bytes(st.tp),
+                planned_room={t: st.room(t) for t in plan.tps}, peak_physical=m.peak_physical,
+                physical_bytes=m.physical_bytes(),
+                weight_ranges=[[w.start, align_up(w.nbytes, plan.granule)] for w in plan.weights],
+                kv_ranges=[[r.start, r.reserved_bytes, r.base_bytes] for r in plan.kv],
+                mapper_kv_mapped=[mapped_in(m, r.start, r.reserved_bytes) for r in plan.kv],
+                mapper_weight_mapped=sum(mapped_in(m, w.start, align_up(w.nbytes, plan.granule))
+                                         for w in plan.weights),
+                lent_at_kv_slots=all(m.maps.get(plan.kv_slot(i)) == st.handles[plan.order[i]] for i in range(lent)))

@@ -88,8 +88,12 @@ def launch_pool_engine(config: PatRolloutConfig, layouts: dict[int, Layout], dev
         from pat_rollout.sglang.kv_room import RECLAIM_ENV
 
         if device != "cpu":
-            raise NotImplementedError("reclaim_weight_memory on GPUs needs vmem.CudaMapper wired into SGLang's weight "
-                                      "and KV allocations, which is not built yet (docs/kv_reclaim.md)")
+            # The adoption path runs on CUDA too (kv_room picks vmem.cuda.CudaMapper), but SGLang captured the base
+            # layout's CUDA graphs over the old addresses before the pool's first RPC; what remains is adopting
+            # inside SGLang's start-up (after load_model, before its capture) and a GPU run (docs/kv_reclaim.md).
+            raise NotImplementedError("reclaim_weight_memory on GPUs: SGLang captures the base layout's CUDA graphs "
+                                      "before the pool adopts the weights and KV into CudaMapper ranges; not wired "
+                                      "yet (docs/kv_reclaim.md)")
 
         env[RECLAIM_ENV] = "1"
     base = Layout.uniform(config.num_devices, config.initial_tp)
@@ -171,6 +175,8 @@ class SglPool(Pool):
             raise ValueError(f"SglPool: the KV pool's page_size is {page_size} (engine_args['page_size'] or the "
                              f"attention backend's choice); the KV hand-off moves single-token slots, so it needs "
                              f"page_size=1: set engine_args['page_size']=1 or an attention backend with pages of 1")
+        # (#37) reclaim_weight_memory: adopt the storages before anything else records addresses (docs/kv_reclaim.md)
+        self.reclaim_start = self._rpc("pat_reclaim_start", path="") if config.reclaim_weight_memory else None
         self._rpc("pat_backup_base")
         self._backup_stale = False  # weights updated since the last host backup (end_weight_update takes one)
         from pat_rollout.sglang import pool_startup  # --- start-up communicators and captures (#35)

@@ -365,6 +365,7 @@ def _reshard_and_rebuild(self, state: dict[str, str], transport, src: Layout, ds
     state["phase"] = "reshard"
     _flush(self)
     _maybe_fail("reshard")
+    kv_room.before_weights(self, dst.tp_size)  # reclaim_weight_memory: a shrink's pages come home first
     old = runner.model
     specs = sglang_specs(hf, int(old.model.embed_tokens.num_embeddings_padded))
     named = dict(old.named_parameters())
@@ -413,6 +414,7 @@ def pat_restore_base(self, path: str) -> None:
     _drain(self)  # nothing of the failed layout's batches may land later; what was running is resubmitted
     _flush(self)
     base = Layout(st.base)
+    kv_room.before_weights(self, base.tp_size)  # reclaim_weight_memory: every lent page home before the copy
     with compat.weights_region(self.server_args, runner):  # what release frees (see pat_switch)
         # Into the live parameters' own storages (switches keep every storage whole: `keep_storage`), so the base
         # layout's parameters are back at the addresses they were loaded at.
@@ -449,6 +451,13 @@ def pat_backup_base(self) -> None:
     st.backups += 1
 
 
+def pat_reclaim_start(self, path: str) -> None:
+    """reclaim_weight_memory: adopt this rank's weight and KV storages into the mapper's ranges (`kv_room.
+    start_reclaim`; at pool start-up, base layout, empty pool) and report the mapping."""
+    kv_room.start_reclaim(self)
+    _write(path, pool_hooks.STATE.rank, dict(reclaim=kv_room.reclaim_info(self)))
+
+
 def pat_fail_next(self, phase: str | None, rank: int | None = None, hang_s: float = 0.0) -> None:
     """Test hook: the next `phase` (rank_rpc.FAULT_PHASES, or "rollback") on `rank` (None: every rank) raises,
     after hanging `hang_s` seconds if given."""
@@ -475,7 +484,7 @@ def pat_pool_info(self, path: str) -> None:
         model_id=id(model), num_running=running, backups=st.backups, num_waiting=len(self.waiting_queue),
         admission=compat.admission_state(self), attention_id=id(self.tp_worker.model_runner.attn_backend),
         graphs=dict(on=layout_graphs.enabled(self), current=layout_graphs.describe(compat.graph_runner(
-            self.tp_worker.model_runner)), layouts=sorted(st.graphs))))
+            self.tp_worker.model_runner)), layouts=sorted(st.graphs)), reclaim=kv_room.reclaim_info(self)))
 
 
 def _write(path: str, rank: int, obj: dict) -> None:
@@ -483,4 +492,5 @@ def _write(path: str, rank: int, obj: dict) -> None:
         json.dump(obj, f)
 
 
-RPC_METHODS = {f.__name__: f for f in (pat_switch, pat_restore_base, pat_backup_base, pat_fail_next, pat_pool_info)}
+RPC_METHODS = {f.__name__: f for f in (pat_switch, pat_restore_base, pat_backup_base, pat_fail_next, pat_pool_info,
+                                        pat_reclaim_start)}

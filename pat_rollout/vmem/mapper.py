@@ -58,8 +58,7 @@ class FakeMapper:
     def reserve(self, nbytes: int) -> int:
         if nbytes <= 0 or nbytes % self.granule:
             raise ReclaimError(f"reserve({nbytes}): size must be a positive multiple of {self.granule}")
-        va = self._next_va
-        self._next_va += nbytes + self.granule  # a gap: adjacent reservations are not one range
+        va = self._new_range(nbytes)
         self.reservations.append((va, nbytes))
         self._log("reserve", va)
         return va
@@ -70,10 +69,21 @@ class FakeMapper:
         if self.budget_bytes is not None and self.physical_bytes() + nbytes > self.budget_bytes:
             raise ReclaimError(f"create({nbytes}): out of memory ({self.physical_bytes()} of {self.budget_bytes} B "
                                f"in use)")
-        h = self._next_handle
-        self._next_handle += 1
+        h = self._new_handle(nbytes)
         self.handles[h] = nbytes
         self._log("create", 0)
+        return h
+
+    def _new_range(self, nbytes: int) -> int:
+        """The address of a new reservation (a subclass reserves real memory here)."""
+        va = self._next_va
+        self._next_va += nbytes + self.granule  # a gap: adjacent reservations are not one range
+        return va
+
+    def _new_handle(self, nbytes: int) -> int:
+        """A new handle's id (a subclass allocates its physical memory here)."""
+        h = self._next_handle
+        self._next_handle += 1
         return h
 
     def _overlaps(self, va: int, nbytes: int) -> int | None:

@@ -69,3 +69,53 @@ def test_cuda_mapper_moves_weight_tail_pages_into_the_kv_range(mapper):
     assert abs(f2 - f1) <= slack and abs(f3 - f1) <= slack, f"a move allocated or freed memory: {seen['free']}"
     assert abs(f4 - f0) <= slack, f"close did not give the pages back: {seen['free']}"
     assert mapper.maps == {} and mapper.handles == {}
+
+
+def test_a_parameter_adopted_into_cuda_mapper_ranges_gives_the_same_matmul(mapper):
+    """`vmem.adopt` on CUDA: a Linear's weight and bias and a KV-like storage are copied into CudaMapper ranges and
+    re-pointed (same Parameter objects); the matmul through them equals the one before, bit for bit; a grow moves
+    the weight's tail page into the KV range with its bytes, a shrink brings it home and the matmul is unchanged."""
+    from pat_rollout.vmem import KvRegion, ReclaimPlan, WeightStorage, apply_switch
+    from pat_rollout.vmem.adopt import adopt, mapped_in
+    from pat_rollout.vmem.cuda import torch_bytes
+    from pat_rollout.vmem.plan import align_up
+
+    g = mapper.granule
+    assert g == 2 << 20, f"granule {g}: this check's sizes assume 2 MiB pages"
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(1024, 1024, device="cuda")  # weight: 4 MiB (two 2 MiB pages), bias 4 KiB
+    x = torch.randn(8, 1024, device="cuda")
+    before = lin(x).clone()
+    params = [lin.weight, lin.bias]
+    ids = [id(p) for p in params]
+    kv_old = torch.arange(1 << 18, dtype=torch.float32, device="cuda")  # 1 MiB
+    weights = [WeightStorage(name=str(i), start=mapper.reserve(align_up(p.untyped_storage().nbytes(), g)),
+                             nbytes=p.untyped_storage().nbytes(),
+                             kept={1: p.untyped_storage().nbytes(), 2: p.untyped_storage().nbytes() // 2})
+               for i, p in enumerate(params)]
+    base = align_up(kv_old.untyped_storage().nbytes(), g)
+    kv_start = mapper.reserve(base + 2 * g)
+    plan = ReclaimPlan.build(weights=weights, kv=[KvRegion(start=kv_start, base_bytes=base,
+                                                           reserved_bytes=base + 2 * g)], tps=(1, 2), granule=g)
+    held = {}
+    handles = adopt(plan, mapper, torch_bytes, [[p] for p in params], [kv_old.untyped_storage()],
+                    lambda j, old, new: held.update({j: new}))
+    del kv_old
+    assert [id(p) for p in (lin.weight, lin.bias)] == ids
+    for p, w in zip(params, plan.weights):
+        assert w.start <= p.data_ptr() < w.start + align_up(w.nbytes, g)
+    kv = torch.empty(0, device="cuda").set_(held[0], 0, (1 << 18,))
+    assert torch.equal(kv, torch.arange(1 << 18, dtype=torch.float32, device="cuda"))
+    assert torch.equal(lin(x), before), "the matmul through the adopted weight differs"
+    assert plan.lent_pages(2) == 1  # the weight's second 2 MiB page
+    page = plan.order[0]
+    tail = torch_bytes(page, g).clone()
+    torch.cuda.synchronize()
+    apply_switch(plan, mapper, handles, 1, 2, kv_used_bytes=[0])
+    assert mapped_in(mapper, kv_start, base + 2 * g) == base + g
+    assert torch.equal(torch_bytes(plan.kv_slot(0), g), tail), "the lent page did not bring its bytes"
+    torch.cuda.synchronize()
+    apply_switch(plan, mapper, handles, 2, 1, kv_used_bytes=[0])
+    assert torch.equal(lin(x), before), "the matmul differs after the page came home"
+    del lin, params, kv
+    held.clear()  # nothing may reference the mapped memory when the fixture closes the mapper

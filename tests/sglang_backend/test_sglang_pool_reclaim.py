@@ -1,5 +1,8 @@
-"""reclaim_weight_memory on the SGLang pool (real SGLang, CPU, tiny Qwen3 with 2 KV heads; vmem.FakeMapper stands
-in for the CUDA driver, docs/kv_reclaim.md).
+"""reclaim_weight_memory on the SGLang pool (real SGLang, CPU, tiny Qwen3 with 2 KV heads; vmem.host.HostMapper:
+the CPU analogue of the CUDA driver's virtual memory, docs/kv_reclaim.md).
+
+At start-up every parameter and KV storage is adopted into ranges the rank's HostMapper reserved (each parameter's
+address lies in a weight range, each KV storage starts its KV range).
 
 A grow from 2 x TP1 to 1 x TP2 lends the half of every sharded weight storage the TP2 shard no longer uses (4 KiB
 granules here) to the KV storages: SGLang's limits become the planned room (base room + lent bytes, the capacity
@@ -7,7 +10,9 @@ rule), more than the plain pool's 2 x TP1, so six requests of 470 tokens that th
 could not hold run at once. The shrink back gives those pages back: each TP1 replica receives three requests
 whose migrated KV (3 x >= 380 tokens) exceeds its 1100 tokens, so the one that no longer fits is not inserted and
 its resubmission recomputes it (it waits until a request finishes). Outputs equal HF greedy; the limits are the
-base layout's again.
+base layout's again. The pages really move: after the grow the mapper holds every lent page at its KV slot (the
+weights' addresses of those pages are unmapped: touching them would fault), after the shrink they are home and
+the weights are bit-exact the unswitched model's (the shrink's reshard rewrote the bytes KV had used).
 """
 
 from __future__ import annotations
@@ -28,6 +33,10 @@ PROMPT, MAX_NEW = 380, 90  # 470 tokens (the tiny models have 512); >= 380 of KV
 KV_TOKENS = 1100  # per TP1 replica: two requests (940) fit, three (1410) do not
 
 
+def _params(pool, path) -> list[dict]:
+    return [p["params"] for p in pool.save_params(str(path))]
+
+
 def _wait_info(pool, pred, what: str, timeout: float = 180.0) -> list[dict]:
     t0 = time.time()
     while time.time() - t0 < timeout:
@@ -41,7 +50,9 @@ def _wait_info(pool, pred, what: str, timeout: float = 180.0) -> list[dict]:
 
 @pytest.mark.timeout(900)
 def test_reclaiming_grow_admits_the_planned_room_and_the_shrink_recomputes_what_no_longer_fits(
-        tiny_models, hf_reference, monkeypatch):
+        tiny_models, hf_reference, monkeypatch, tmp_path):
+    import torch
+
     from pat_rollout.layout import Layout
     from pat_rollout.planner.capacity import tokens_in_room
     from pat_rollout.sglang.kv_room import RECLAIM_GRANULE_ENV
@@ -57,6 +68,18 @@ def test_reclaiming_grow_admits_the_planned_room_and_the_shrink_recomputes_what_
     try:
         base = pool.info()
         assert pool.kv_tokens == KV_TOKENS
+        start = [r["reclaim"] for r in pool.reclaim_start]
+        for r, i in zip(start, base):
+            assert r["mapper"] == "HostMapper" and r["tp"] == 1 and r["lent_pages"] == 0
+            assert i["reclaim"]["weight_ranges"] == r["weight_ranges"]
+            inside = [n for n, ptr in i["param_ptrs"].items()
+                      if any(a <= ptr < a + n_ for a, n_ in r["weight_ranges"])]
+            assert sorted(inside) == sorted(i["param_ptrs"]), "a parameter outside the reserved weight ranges"
+            assert i["kv_storage"] == sorted(k[0] for k in r["kv_ranges"])  # each KV storage starts its range
+            assert r["mapper_kv_mapped"] == [k[2] for k in r["kv_ranges"]]  # the base extent only
+            assert r["mapper_weight_mapped"] == sum(n for _, n in r["weight_ranges"]) == r["physical_bytes"] - sum(
+                k[2] for k in r["kv_ranges"])
+        unswitched = _params(pool, tmp_path / "unswitched")
         sp = SamplingParams(max_new_tokens=MAX_NEW, ignore_eos=True)
         reqs = [Request(request_id=f"r{i}", sampling=sp,
                         prompt_token_ids=tuple((5 + 11 * i + 3 * j) % 240 + 5 for j in range(PROMPT)))
@@ -75,6 +98,10 @@ def test_reclaiming_grow_admits_the_planned_room_and_the_shrink_recomputes_what_
             assert r["planned_room"]["1"] == base_room
             assert 0 <= r["freed_bytes"] - r["reclaimed_bytes"] < 4096 * 2 * 16  # rounding: < 2 granules a storage
             assert r["physical_bytes"] == r["peak_physical"]  # pages moved, nothing allocated
+            assert r["lent_at_kv_slots"] and r["mapper"] == "HostMapper"  # the mapper's state, not only the plan's
+            assert r["mapper_kv_mapped"] == r["kv_mapped_bytes"]
+            assert all(m > k[2] for m, k in zip(r["mapper_kv_mapped"], r["kv_ranges"]))
+            assert r["mapper_weight_mapped"] == sum(n for _, n in r["weight_ranges"]) - r["reclaimed_bytes"]
         expect = tokens_in_room(rec[0]["room_bytes"], kv_bytes_per_token=per_token, num_kv_heads=2, tp=2) - 1
         assert pool.kv_tokens == expect > 2 * KV_TOKENS + 1  # the plain pool's TP2 room
         assert expect >= 6 * (PROMPT + MAX_NEW)
@@ -90,6 +117,14 @@ def test_reclaiming_grow_admits_the_planned_room_and_the_shrink_recomputes_what_
         assert len(res.migrated) == 4
         assert pool.kv_tokens == KV_TOKENS
         assert [r["reclaim"]["lent_pages"] for r in pool.last_switch] == [0, 0]
+        for r in (x["reclaim"] for x in pool.last_switch):
+            assert r["mapper_kv_mapped"] == [k[2] for k in r["kv_ranges"]]
+            assert r["mapper_weight_mapped"] == sum(n for _, n in r["weight_ranges"])
+        back = _params(pool, tmp_path / "back")
+        for rank in range(2):  # bit-exact: the pages came home and the reshard rewrote what KV had written
+            assert back[rank].keys() == unswitched[rank].keys()
+            for n, t in unswitched[rank].items():
+                assert back[rank][n].dtype == t.dtype and torch.equal(back[rank][n], t), (rank, n)
         def fixed(info):  # the limits (what is free now differs: requests are running)
             return [{k: v for k, v in i["kv_limits"].items() if k != "available"} for i in info]
 

@@ -8,7 +8,7 @@ import sys
 
 
 def test_vmem_imports_no_torch_ray_or_sglang():
-    code = ("import sys, pat_rollout.vmem, pat_rollout.vmem.cuda; "
+    code = ("import sys, pat_rollout.vmem, pat_rollout.vmem.cuda, pat_rollout.vmem.host; "
             "print(sorted({'torch', 'ray', 'sglang'} & set(sys.modules)))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
