@@ -23,7 +23,7 @@ BOTH_VERSIONS: dict[str, str] = {
         "compat.build_methods / startup_capture_method against the installed SGLang's start-up source",
     "test_sglang_replica_input.py": "routing with the installed SGLang's own request types (io_struct)",
     "test_sglang_engine_faults.py": "a dead scheduler: SGLang's SIGQUIT path (0.5.23 adds a subprocess watchdog)",
-    "test_sglang_generate.py::test_stream_chunks_carry_only_new_tokens":
+    "test_sglang_generate.py::test_stream_chunks_carry_only_new_tokens[tp1]":
         "SGLang's incremental stream chunks (engine._Tracked reads only the new tokens)",
     "test_sglang_pool.py::test_switch_mid_decode_equals_hf":
         "the whole switch: tp_group_patch, output/input paths, reinit_attention, radix prefix API (migrate), "
