@@ -48,20 +48,22 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 def _select_sglang_version_tests(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Mark the tests named in sglang_versions.BOTH_VERSIONS; with --sglang-version-tests deselect the other tests of
-    tests/sglang_backend (everything outside that folder stays)."""
-    from sglang_versions import BOTH_VERSIONS, MARKER, selects
+    tests/sglang_backend and those of tests/verl named in VERL_ONCE (everything else stays)."""
+    from sglang_versions import BOTH_VERSIONS, MARKER, VERL_ONCE, selects
 
     only = config.getoption("--sglang-version-tests")
     keep, dropped, used = [], [], set()
     for item in items:
-        in_backend = item.path.parent.name == "sglang_backend"
-        keys = {k for k in BOTH_VERSIONS if in_backend and selects(k, item.path.name, item.name,
-                                                                    getattr(item, "originalname", item.name))}
-        used |= keys
+        folder = item.path.parent.name
+        names = (item.path.name, item.name, getattr(item, "originalname", item.name))
+        keys = {k for k in BOTH_VERSIONS if folder == "sglang_backend" and selects(k, *names)}
+        once = {k for k in VERL_ONCE if folder == "verl" and selects(k, *names)}
+        used |= keys | once
         if keys:
             item.add_marker(MARKER)
-        (dropped if in_backend and not keys and only else keep).append(item)
-    if only and (unused := sorted(set(BOTH_VERSIONS) - used)):  # a renamed test or id would silently drop out
+        drop = only and ((folder == "sglang_backend" and not keys) or once)
+        (dropped if drop else keep).append(item)
+    if only and (unused := sorted((set(BOTH_VERSIONS) | set(VERL_ONCE)) - used)):  # a renamed test or id
         raise pytest.UsageError(f"tests/sglang_versions.py names tests that were not collected: {unused}")
     if dropped:
         config.hook.pytest_deselected(items=dropped)

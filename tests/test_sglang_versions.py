@@ -6,9 +6,10 @@ import ast
 from pathlib import Path
 
 import pytest
-from sglang_versions import BOTH_VERSIONS, selects
+from sglang_versions import BOTH_VERSIONS, VERL_ONCE, selects
 
 BACKEND = Path(__file__).parent / "sglang_backend"
+VERL = Path(__file__).parent / "verl"
 
 
 def _tests(module: Path) -> set[str]:
@@ -17,12 +18,13 @@ def _tests(module: Path) -> set[str]:
             and n.name.startswith("test_")}
 
 
-@pytest.mark.parametrize("key", sorted(BOTH_VERSIONS))
-def test_every_key_names_an_existing_test(key):
+@pytest.mark.parametrize("folder,key", [*((BACKEND, k) for k in sorted(BOTH_VERSIONS)),
+                                        *((VERL, k) for k in sorted(VERL_ONCE))], ids=lambda x: str(x).split("/")[-1])
+def test_every_key_names_an_existing_test(folder, key):
     module, _, test = key.partition("::")
-    path = BACKEND / module
+    path = folder / module
     assert path.is_file(), f"{key}: no {path}"
-    if test:
+    if test and not test.startswith("["):
         name, _, param = test.partition("[")
         assert name in _tests(path), f"{key}: no {name} in {path}"
         if param:  # the id must appear among the test's parametrisations: checked where SGLang is installed
@@ -36,3 +38,5 @@ def test_selects_by_module_test_and_id():
     assert not selects("m.py::test_a[y]", "m.py", "test_a[x]", "test_a")
     assert not selects("m.py::test_a", "m.py", "test_ab", "test_ab")
     assert not selects("m.py", "n.py", "test_a", "test_a")
+    assert selects("m.py::[x]", "m.py", "test_a[x]", "test_a") and selects("m.py::[x]", "m.py", "test_b[x]", "test_b")
+    assert not selects("m.py::[x]", "m.py", "test_a[y]", "test_a")
