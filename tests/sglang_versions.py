@@ -19,7 +19,8 @@ MARKER = "sglang_version"
 BOTH_VERSIONS: dict[str, str] = {
     "test_sglang_compat.py": "compat's CPU workaround (0.5.12's pinned-memory LogitsProcessor)",
     "test_sglang_admission_reset.py": "compat.reset_admission_state: 0.5.23's ratio tracker, 0.5.12's attribute",
-    "test_sglang_inventory.py": "every SGLang name the backend touches resolves on the installed version",
+    "test_sglang_inventory.py::test_every_name_resolves_on_the_installed_sglang":
+        "every SGLang name the backend touches resolves on the installed version",
     "test_sglang_layout_comm.py::test_startup_capture_runs_under_the_base_group":
         "compat.build_methods / startup_capture_method against the installed SGLang's start-up source",
     "test_sglang_replica_input.py": "routing with the installed SGLang's own request types (io_struct)",
@@ -31,9 +32,11 @@ BOTH_VERSIONS: dict[str, str] = {
     "test_sglang_pool_addresses.py": "compat.weight_update_method / weight_update_context, rollback",
     "test_sglang_pool_bounded.py::test_one_backup_per_sync_and_rollback_restores_synced_weights":
         "the weight backup: 0.5.23 takes it at end_weight_update, 0.5.12 (no such call) at the next switch",
-    "test_sglang_pool_graphs.py": "compat.build_methods, startup_capture_method, graph runner and attention state",
+    "test_sglang_pool_graphs.py::test_each_layout_replays_its_own_graphs_and_backends":
+        "compat.build_methods, startup_capture_method, graph runner and attention state",
     "test_sglang_pool_independent.py": "compat.install_replica_input (0.5.12 replaces Scheduler.recv_requests)",
-    "test_sglang_pool_kv_room.py": "compat.refresh_kv_pointers, admission reset; SGLang's lockstep broadcast",
+    "test_sglang_pool_kv_room.py::test_tp2_replica_admits_what_a_tp1_replica_queued[per-replica-input]":
+        "compat.refresh_kv_pointers (0.5.12 builds the tables inline), admission reset, 0.5.12's recv_requests",
     "test_sglang_pool_memory.py::test_switch_allocations_in_memory_saver_regions_and_server_args":
         "compat.weights_region and prefill_graph_off_args (0.5.12 piecewise, 0.5.23 prefill graphs)",
     "test_sglang_pool_faults.py::test_hung_rank_misses_the_rpc_deadline_and_breaks_the_pool":
