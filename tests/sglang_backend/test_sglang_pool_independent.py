@@ -67,17 +67,17 @@ def test_long_prefill_on_one_replica_does_not_stall_the_other(tmp_path, monkeypa
     assert all(s["mode"] != "extend" or s["tokens"] < 100 for s in logs[1])  # replica 1 never saw the long prompt
     step_s = statistics.median(s["t1"] - s["t0"] for s in decodes)
     before = [s["t0"] for s in decodes if s["t1"] < t0]
-    gap_before = statistics.median(b - a for a, b in zip(before, before[1:]))
+    gap_before = statistics.median(b - a for a, b in zip(before, before[1:])) if len(before) > 1 else float("nan")
     inside = [s["t0"] for s in decodes if t0 <= s["t0"] <= t1]
     gaps = [b - a for a, b in zip([t0, *inside], [*inside, t1])]
     msg = (f"prefill {t1 - t0:.3f} s on rank 0; rank 1: decode step {step_s * 1e3:.1f} ms, median gap before "
            f"{gap_before * 1e3:.1f} ms, {len(inside)} decode steps started inside, max gap "
            f"{max(gaps) * 1e3:.1f} ms")
     print(msg)
-    assert t1 - t0 >= 10 * gap_before, "the prefill is too short to tell independent replicas from lockstep: " + msg
     # What separates the two behaviours, whatever this machine's speed or load: in lockstep replica 1 starts at most
     # one decode step inside the prefill, so some gap between [t0, inside..., t1] is at least half the prefill.
     # Independent replicas keep decoding through it (seen: 15-29 steps started in a 1.0-1.4 s prefill, the longest
-    # gap 93 ms, on 2 shared cores). The bounds sit at that separation, not at a ratio of two measured times.
+    # gap 93 ms, on 2 shared cores). The bounds sit at that separation, not at a ratio of two measured times (nor
+    # does the prefill's length relative to a decode step decide anything: lockstep fails both whatever the ratio).
     assert len(inside) >= 2, msg
     assert max(gaps) < (t1 - t0) / 2, msg

@@ -113,8 +113,10 @@ def test_failed_transfer_releases_its_peer_in_seconds_at_default_timeouts(tiny_m
         info = driver.worker_info()
     finally:
         driver.shutdown()
-    assert kv_s < 15 and reshard_s < 15, (kv_s, reshard_s)
-    assert late_s < 7 + 15, late_s  # the late device's own 7 s, then the rollback
+    # What separates the behaviours: a peer released by the failed device's abort (at once) or by the transfer floor
+    # (5 s; the late device itself fails after its 7 s) against one left waiting for comm_timeout_s (120 s). The
+    # bound sits between them, not at a duration measured on some machine (seen: a few seconds each, 2 shared cores).
+    assert max(kv_s, reshard_s, late_s) < cfg.comm_timeout_s / 2, (kv_s, reshard_s, late_s)
     assert [o.token_ids for o in outputs] == reference
     assert [i["num_comm_builds"] for i in info] == [4, 4]  # start-up, then one rebuild per failed transfer
 
