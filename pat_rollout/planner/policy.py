@@ -71,6 +71,7 @@ class Planner:
         self.last_estimator = "drain"  # the estimator of the latest evaluation ("drain" or "lookahead")
         self.last_lookahead: Lookahead | None = None  # the lookahead of the latest evaluation, if one was used
         self._bound_memo: tuple[ClusterState, frozenset[int]] | None = None  # bound_tps of the latest state asked
+        self._pred_memo: tuple[ClusterState, int, dict[str, int]] | None = None  # predict_remaining's latest
         if engine is None and config.estimator != "drain":
             engine = EngineSpec.default_for(model, model.tps)
         self.engine = engine
@@ -130,10 +131,25 @@ class Planner:
         self.predictor.observe(prompt_key, num_output_tokens)
 
     def predict_remaining(self, state: ClusterState) -> dict[str, int]:
-        """Predicted remaining output tokens of every unfinished request."""
+        """Predicted remaining output tokens of every unfinished request. Memoised for the latest state asked (an
+        evaluation asks it several times) while no request finished since; requests with the same (generated,
+        max_new_tokens, prompt) get the same prediction, computed once."""
+        memo = self._pred_memo
+        version = self.predictor.version
+        if memo is not None and memo[0] is state and memo[1] == version:
+            return memo[2]
         self.predictor.set_running(r.num_output_tokens for r in state.requests)
-        return {r.request_id: self.predictor.predict_remaining(r.num_output_tokens, r.max_new_tokens, r.prompt_key)
-                for r in state.requests}
+        predict = self.predictor.predict_remaining
+        seen: dict[tuple[int, int, str | None], int] = {}
+        out = {}
+        for r in state.requests:
+            key = (r.num_output_tokens, r.max_new_tokens, r.prompt_key)
+            x = seen.get(key)
+            if x is None:
+                x = seen[key] = predict(*key)
+            out[r.request_id] = x
+        self._pred_memo = (state, self.predictor.version, out)
+        return out
 
     def lookahead(self, state: ClusterState) -> Lookahead:
         """This poll's lookahead: the requests bundled into units, each unit's final length drawn from the
@@ -370,17 +386,27 @@ class Planner:
                 return f"left tp={tp} at step {step} < no_return_steps={cfg.no_return_steps} ago"
         return ""
 
+    def _due(self, step: int) -> bool:
+        """The evaluation clock: whether `step` is far enough from the last evaluation."""
+        every = self.config.eval_every_steps
+        if self.config.estimator == "auto" and self.last_estimator == "lookahead":
+            every = max(every, self.config.lookahead_every_steps)  # a capacity-bound stage changes slowly
+        return self._last_eval_step is None or step - self._last_eval_step >= every
+
+    def idle(self, step: int) -> bool:
+        """True when `decide` at `step` returns None whatever the state (the evaluation clock is not due); records
+        the poll as `decide` does. A caller whose ClusterState is costly to build asks this first."""
+        if self._due(step):
+            return False
+        self.margin.seen(step)
+        return True
+
     def decide(self, state: ClusterState) -> Decision | None:
         """An action to apply now (a regroup or a rebalance), or None to stay. Evaluates at most once per
         eval_every_steps steps."""
         cfg = self.config
         self.margin.seen(state.step)
-        if not state.requests:
-            return None
-        every = cfg.eval_every_steps
-        if cfg.estimator == "auto" and self.last_estimator == "lookahead":
-            every = max(every, cfg.lookahead_every_steps)  # a capacity-bound stage changes slowly
-        if self._last_eval_step is not None and state.step - self._last_eval_step < every:
+        if not state.requests or not self._due(state.step):
             return None
         self._last_eval_step = state.step
         rebalance_why_not = self._rebalance_why_not(state)
