@@ -88,3 +88,28 @@ def test_planner_fast_path_same_decisions(monkeypatch: pytest.MonkeyPatch) -> No
     assert sum(1 for x in fast if x[0] == "eval") > 10  # the planner evaluated many polls
     assert any(x[0] == "decision" for x in fast)
     assert fast == slow
+
+
+def test_later_stages_start_where_the_weights_landed() -> None:
+    """The layout the weights land in (next_start_tp) and the stage's start layout are one decision: a later stage
+    switches at 0 s only for a predicted saving (never to explore: exploring is done by landing there), and a
+    stage that lands in a layout to explore it does not leave it at 0 s. Before, the weights landed in the layout
+    the previous stage explored and the stage explored another by a switch at 0 s (TP4@0 -> TP8@0 -> TP4@5s)."""
+    hw, pm = gpu_setup("h100", "llama31_8b", "low")
+    pool = pat_hardware(hw)
+    trace = deepscaler_like(num_prompts=32, samples_per_prompt=8, max_new_tokens=8192, seed=1, history_iters=3)
+    planner = Planner(pm, PlannerConfig(candidate_tps=(1, 2, 4, 8)), engine=engine_spec(pool))
+    where, explored = 1, 0
+    for i, stage in enumerate(rl_stages(trace, 3)):
+        r = run_policy(pool, stage, PlannerPolicy(planner, where, stage if i == 0 else None), num_devices=8,
+                       handoff=handoff_cost(pm))
+        assert r.schedule[0] == (0.0, where)
+        d = planner.start_decision
+        if i > 0 and d is not None:
+            assert "exploring" not in d.reason and d.predicted_saving_s > 0, (i, r.layouts_str(), d.reason)
+        if i > 0:
+            starts = [tp for t, tp in r.schedule if t == 0.0]
+            explored += planner.start_explored
+            assert len(starts) == 1 or d is not None, r.layouts_str()
+        where = planner.next_start_tp() or 1
+    assert explored  # this row explores a layout never measured (TP8) in a later stage: by landing there
