@@ -10,7 +10,7 @@ from bisect import bisect_right
 from collections.abc import Sequence
 
 from pat_rollout.planner.balance import balance
-from pat_rollout.planner.calibration import CalibratedModel, batch_bucket
+from pat_rollout.planner.calibration import CalibratedModel
 from pat_rollout.profile.model import LatencyModel, _segment
 
 MAX_CHUNK_STEPS = 1024
@@ -36,7 +36,7 @@ def replica_drain_s(model: LatencyModel, tp: int, remaining: Sequence[int], num_
     total = 0.0
     k = 0
     n_items = len(items)
-    f_bucket, f_value = -1, 1.0
+    f_low, f_value = 1 << 62, 1.0  # the factor's batch bucket starts at f_low
     while k < n_items:
         r = items[k][0]
         steps = r - done
@@ -45,10 +45,9 @@ def replica_drain_s(model: LatencyModel, tp: int, remaining: Sequence[int], num_
             if row is None:
                 row = rows[batch] = _row(model, tp, batch)
             f = None
-            if factor is not None:  # the calibration's factor is one per (tp, batch_bucket(batch))
-                bucket = batch_bucket(batch)
-                if bucket != f_bucket:
-                    f_bucket, f_value = bucket, factor(tp, batch)
+            if factor is not None:  # one per (tp, batch_bucket(batch)): [2^b, 2^(b+1)); the batch only falls
+                if batch < f_low:
+                    f_low, f_value = 1 << (batch.bit_length() - 1), factor(tp, batch)
                 f = f_value
             while steps > 0:
                 n = min(steps, max_chunk_steps)
