@@ -345,6 +345,15 @@ class Planner:
                                                                                 self.margin.ratio * total[state.tp]):
             best = state.tp
         bound = self.bound_tps(state) if cfg.estimator == "auto" else frozenset()
+        if best in bound and best != state.tp:
+            # A capacity-bound stage may grow but not shrink (`evaluate`), so a start is a one-way door upward:
+            # of the layouts predicted within the margin of the fastest, the smallest keeps the stage free to grow
+            # when the profile proves optimistic about larger TPs (their efficiency is its least sure figure).
+            near = [tp for tp in total if tp < best
+                    and total[tp] - total[best] <= max(cfg.min_gain_s, self.margin.ratio * total[tp])]
+            if near:
+                best = min(near)
+                why = "the smallest layout within the margin of the fastest (capacity-bound: it can only grow)"
         self._start_total, self._start_bound, self.last_start_tp = total, bound, best
         observed = self.calibration.observed_tps()
 
