@@ -58,8 +58,12 @@ def transition_cost(model: LatencyModel, *, num_devices: int, tp_src: int, tp_ds
 
         def migrates(n: int, tp: int) -> bool:
             return prefers_migration(model, tp, n, handoff)
+    seen: dict[int, bool] = {}  # the rule per distinct request size (requests of a batch share sizes)
     for n in num_tokens:
-        if migrates(n, tp_dst):
+        mig = seen.get(n)
+        if mig is None:
+            mig = seen[n] = migrates(n, tp_dst)
+        if mig:
             mig_bytes += n * kv_per_token
             num_migrated += 1
         else:

@@ -71,6 +71,7 @@ class Planner:
         self.last_estimator = "drain"  # the estimator of the latest evaluation ("drain" or "lookahead")
         self.last_lookahead: Lookahead | None = None  # the lookahead of the latest evaluation, if one was used
         self._bound_memo: tuple[ClusterState, frozenset[int]] | None = None  # bound_tps of the latest state asked
+        self._pred_memo: tuple[ClusterState, int, dict[str, int]] | None = None  # predict_remaining's latest
         if engine is None and config.estimator != "drain":
             engine = EngineSpec.default_for(model, model.tps)
         self.engine = engine
@@ -78,6 +79,9 @@ class Planner:
         self._migrates_memo: dict[tuple[int, int], bool] = {}
         self.margin = MarginTracker(config.margin, config.min_gain_ratio)
         self.last_start_tp: int | None = None  # the TP the latest stage started in, as choose_start picked it
+        self._start_total: dict[int, float] = {}  # the latest stage start's predicted seconds per layout
+        self._start_bound: frozenset[int] = frozenset()  # and the layouts its batch outgrows
+        self._landed: int | None = None  # the layout next_start_tp gave (the weights land there), until used
         self.start_stage()
 
     def start_stage(self) -> None:
@@ -130,10 +134,25 @@ class Planner:
         self.predictor.observe(prompt_key, num_output_tokens)
 
     def predict_remaining(self, state: ClusterState) -> dict[str, int]:
-        """Predicted remaining output tokens of every unfinished request."""
+        """Predicted remaining output tokens of every unfinished request. Memoised for the latest state asked (an
+        evaluation asks it several times) while no request finished since; requests with the same (generated,
+        max_new_tokens, prompt) get the same prediction, computed once."""
+        memo = self._pred_memo
+        version = self.predictor.version
+        if memo is not None and memo[0] is state and memo[1] == version:
+            return memo[2]
         self.predictor.set_running(r.num_output_tokens for r in state.requests)
-        return {r.request_id: self.predictor.predict_remaining(r.num_output_tokens, r.max_new_tokens, r.prompt_key)
-                for r in state.requests}
+        predict = self.predictor.predict_remaining
+        seen: dict[tuple[int, int, str | None], int] = {}
+        out = {}
+        for r in state.requests:
+            key = (r.num_output_tokens, r.max_new_tokens, r.prompt_key)
+            x = seen.get(key)
+            if x is None:
+                x = seen[key] = predict(*key)
+            out[r.request_id] = x
+        self._pred_memo = (state, self.predictor.version, out)
+        return out
 
     def lookahead(self, state: ClusterState) -> Lookahead:
         """This poll's lookahead: the requests bundled into units, each unit's final length drawn from the
@@ -303,11 +322,15 @@ class Planner:
         """The layout to start this stage's batch in (before any request is dispatched), or None to stay at
         `state.tp`. The first stage (no start chosen before: the pool is in its base layout) takes the layout
         predicted fastest, switch included; later stages stay unless another layout is predicted to save more than
-        the margin; explores a layout never
-        measured here once (see explore_max_ratio). Not counted against max_reconfigs_per_stage; the next switch waits
-        min_steps_between_switches after it, and an explored layout is not left before a poll in it was measured
-        (else the next stage would explore it again). The layout the pool came from is not "left" for no_return_steps:
-        the previous stage chose it, not this batch."""
+        the margin. Where the weights landed and where the stage starts are one decision: the pool in the layout
+        `next_start_tp` gave is left at 0 s only for a predicted saving beyond the margin, never to explore.
+        Exploring (see explore_max_ratio) a layout never measured here: in place when the pool is in one (the
+        weights landed there to explore it, or its base layout is one), by a switch only when the pool is not where
+        the planner put it (a pool that loads weights in its base layout only); never into a layout the stage's
+        rules would not let it leave for the chosen one (`_leavable`). Not counted against
+        max_reconfigs_per_stage; the next switch waits min_steps_between_switches after it, and an explored layout
+        is not left before a poll in it was measured (else the next stage would explore it again). The layout the
+        pool came from is not "left" for no_return_steps: the previous stage chose it, not this batch."""
         cfg = self.config
         if not cfg.start_layout or not state.requests:
             return None
@@ -321,14 +344,34 @@ class Planner:
         if chosen and state.tp in total and total[state.tp] - total[best] <= max(cfg.min_gain_s,
                                                                                 self.margin.ratio * total[state.tp]):
             best = state.tp
+        bound = self.bound_tps(state) if cfg.estimator == "auto" else frozenset()
+        if best in bound and best != state.tp:
+            # A capacity-bound stage may grow but not shrink (`evaluate`), so a start is a one-way door upward:
+            # of the layouts predicted within the margin of the fastest, the smallest keeps the stage free to grow
+            # when the profile proves optimistic about larger TPs (their efficiency is its least sure figure).
+            near = [tp for tp in total if tp < best
+                    and total[tp] - total[best] <= max(cfg.min_gain_s, self.margin.ratio * total[tp])]
+            if near:
+                best = min(near)
+                why = "the smallest layout within the margin of the fastest (capacity-bound: it can only grow)"
+        self._start_total, self._start_bound, self.last_start_tp = total, bound, best
         observed = self.calibration.observed_tps()
-        unobserved = [tp for tp in total if tp not in observed and total[tp] <= cfg.explore_max_ratio * total[best]]
-        if cfg.calibrate and observed and best in observed and unobserved:
-            best = min(unobserved, key=lambda tp: (total[tp], tp))
-            self.start_explored = True
-            why = f"never measured on this pool (TPs measured: {sorted(observed)}): exploring"
+
+        def explorable(tp: int) -> bool:
+            return (tp not in observed and total[tp] <= cfg.explore_max_ratio * total[best]
+                    and self._leavable(tp, best, bound))
+        if cfg.calibrate and observed and best in observed:
+            if state.tp in total and explorable(state.tp):
+                best = state.tp  # explore in place: no switch
+                self.start_explored = True
+            elif state.tp != self._landed:
+                unobserved = [tp for tp in total if explorable(tp)]
+                if unobserved:
+                    best = min(unobserved, key=lambda tp: (total[tp], tp))
+                    self.start_explored = True
+                    why = f"never measured on this pool (TPs measured: {sorted(observed)}): exploring"
+        self._landed = None
         self.margin.predict(state.step, _plus(state.step, self.start_steps.get(best)), new_action=True)
-        self.last_start_tp = best
         if best == state.tp:
             return None
         run_s, cost = options[best]
@@ -341,12 +384,35 @@ class Planner:
                    f"{cost.total_s:.3f}s switch; " + ", ".join(f"tp={tp} {t:.2f}s" for tp, t in total.items()) + ")")
         return self.start_decision
 
+    def _leavable(self, tp: int, dst: int, bound: frozenset[int]) -> bool:
+        """Whether a stage in `tp` may switch to `dst` by the running stage's rules (only_grow; under "auto", no
+        shrink from a capacity-bound layout, no move from a fitting one into a bound one)."""
+        if tp == dst:
+            return True
+        if self.config.only_grow and dst < tp:
+            return False
+        return not ((tp in bound and dst < tp) or (tp not in bound and dst in bound))
+
     def next_start_tp(self) -> int | None:
         """The TP the next stage is expected to start in, for the weight update to load into so that the stage
         starts without a switch: the one choose_start picked for the latest stage (it keeps the layout the pool is
-        in unless another saves more than the margin). None before any stage chose one, after its start switch
-        rolled back, or with start_layout off (stages then start in the base layout)."""
-        return self.last_start_tp if self.config.start_layout else None
+        in unless another saves more than the margin), or, where a layout never measured here is within
+        explore_max_ratio of it by the latest stage's start estimate and may be left for it, that layout (the
+        next stage explores it in place: the landing is the exploration, with no switch at 0 s). None before any
+        stage chose one, after its start switch rolled back, or with start_layout off (stages then start in the
+        base layout)."""
+        if not self.config.start_layout or self.last_start_tp is None:
+            return None
+        best, cfg, total = self.last_start_tp, self.config, self._start_total
+        observed = self.calibration.observed_tps()
+        out = best
+        if cfg.calibrate and observed and best in observed and best in total:
+            unobserved = [tp for tp in total if tp not in observed and total[tp] <= cfg.explore_max_ratio
+                          * total[best] and self._leavable(tp, best, self._start_bound)]
+            if unobserved:
+                out = min(unobserved, key=lambda tp: (total[tp], tp))
+        self._landed = out
+        return out
 
     def stage_metrics(self, prefix: str = "pat") -> dict[str, float]:
         """Calibration and starting-layout metrics of the current stage."""
@@ -370,17 +436,27 @@ class Planner:
                 return f"left tp={tp} at step {step} < no_return_steps={cfg.no_return_steps} ago"
         return ""
 
+    def _due(self, step: int) -> bool:
+        """The evaluation clock: whether `step` is far enough from the last evaluation."""
+        every = self.config.eval_every_steps
+        if self.config.estimator == "auto" and self.last_estimator == "lookahead":
+            every = max(every, self.config.lookahead_every_steps)  # a capacity-bound stage changes slowly
+        return self._last_eval_step is None or step - self._last_eval_step >= every
+
+    def idle(self, step: int) -> bool:
+        """True when `decide` at `step` returns None whatever the state (the evaluation clock is not due); records
+        the poll as `decide` does. A caller whose ClusterState is costly to build asks this first."""
+        if self._due(step):
+            return False
+        self.margin.seen(step)
+        return True
+
     def decide(self, state: ClusterState) -> Decision | None:
         """An action to apply now (a regroup or a rebalance), or None to stay. Evaluates at most once per
         eval_every_steps steps."""
         cfg = self.config
         self.margin.seen(state.step)
-        if not state.requests:
-            return None
-        every = cfg.eval_every_steps
-        if cfg.estimator == "auto" and self.last_estimator == "lookahead":
-            every = max(every, cfg.lookahead_every_steps)  # a capacity-bound stage changes slowly
-        if self._last_eval_step is not None and state.step - self._last_eval_step < every:
+        if not state.requests or not self._due(state.step):
             return None
         self._last_eval_step = state.step
         rebalance_why_not = self._rebalance_why_not(state)

@@ -102,21 +102,25 @@ class LengthPredictor:
         self._finished: list[int] = []
         self._running: list[int] = []
         self._survival: _Survival | None = None
+        self.version = 0  # bumped whenever an observation changes what a prediction can be (caches key on it)
 
     def start_stage(self) -> None:
         """Forget the previous stage's batch statistics (per-prompt history is kept)."""
+        self.version += 1
         self._finished = []
         self._running = []
         self._survival = None
 
     def observe(self, prompt_key: str, final_length: int) -> None:
         """Record a final response length of `prompt_key` from an earlier iteration."""
+        self.version += 1
         h = self._history.setdefault(prompt_key, [])
         h.append(final_length)
         del h[:-self.config.max_history_per_prompt]
 
     def observe_finished(self, prompt_key: str | None, final_length: int) -> None:
         """Record a request of the current stage that finished with `final_length` output tokens."""
+        self.version += 1
         self._finished.append(final_length)
         self._survival = None
         if prompt_key is not None:

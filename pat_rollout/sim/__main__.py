@@ -23,7 +23,7 @@ import time
 
 from pat_rollout.planner.policy import PlannerConfig
 from pat_rollout.profile.published import GPUS, MODELS, VARIANTS
-from pat_rollout.sim.compare import Comparison, compare_stages, gpu_setup, room_line, summary_line
+from pat_rollout.sim.compare import ROOMS, Comparison, compare_stages, gpu_setup, room_line, summary_line
 from pat_rollout.sim.lengths import LengthsOptions, read_lengths
 from pat_rollout.sim.policies import QUICK_ORACLE
 from pat_rollout.sim.traces import deepscaler_like, rl_stages, uniform_trace, verl_like
@@ -52,6 +52,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--initial-tp", type=int, default=1)
     ap.add_argument("--no-oracle", action="store_true")
+    ap.add_argument("--room", default="pool", choices=ROOMS,
+                    help="KV room PAT and the oracle run on: pool (today's SGLang pool) or reclaiming (a grow gives "
+                         "freed weight memory to the KV cache: the stock room); statics keep a stock engine's")
     ap.add_argument("--stages", type=int, default=3, help="stages of the batch; the last is the steady state")
     ap.add_argument("--jobs", type=int, default=max(1, min(3, os.cpu_count() or 1)),
                     help="variants simulated in parallel processes")
@@ -110,10 +113,10 @@ def _variant(job: tuple) -> str:
 
     run = compare_stages(hw, planner_model, rl_stages(trace, args.stages), num_devices=args.num_devices,
                          planner_config=cfg, initial_tp=args.initial_tp, with_oracle=not args.no_oracle,
-                         progress=progress, oracle_kw=QUICK_ORACLE)
+                         progress=progress, oracle_kw=QUICK_ORACLE, room=args.room)
     head = (f"\n[{variant} TP-cost variant] {hw.name}, {args.num_devices} GPUs; planner profile: "
             f"{args.planner_variant} x {1 + args.planner_error:g} (SIMULATED from published figures, not measured)\n"
-            f"{room_line(hw)}\n")
+            f"{room_line(hw)}; PAT and the oracle run on: {args.room}\n")
     return head + side_by_side(run.first, run.steady, args.stages) + f"  ({time.perf_counter() - t0:.1f}s)"
 
 

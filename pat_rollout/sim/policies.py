@@ -74,6 +74,8 @@ class PlannerPolicy:
 
     def on_poll(self, view: PollView) -> Reconfigure | Rebalance | None:
         self.observe(view)
+        if self.planner.idle(view.step):
+            return None  # not due: the state is not built (what decide would answer without reading it)
         d = self.planner.decide(view.state)
         if d is not None and d.is_rebalance:
             return Rebalance(moves=d.moves, decision=d)

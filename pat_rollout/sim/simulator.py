@@ -86,6 +86,7 @@ class PollView:
     num_unfinished: int
     num_total: int
     samples: tuple[PollSample | ReconfigSample, ...] = ()
+    step: int = 0  # decode steps of the stage so far (the state's `step`)
     build_state: Callable[[], ClusterState] = field(repr=False, compare=False)
     _state: list[ClusterState] = field(default_factory=list, repr=False, compare=False)
 
@@ -249,7 +250,8 @@ class Sim:
 
     def view(self) -> PollView:
         v = PollView(t=self.t, tp=self.tp, finished=tuple(self._pending), num_unfinished=self.num_unfinished,
-                     num_total=self.num_total, samples=tuple(self._samples), build_state=self._cluster_state)
+                     num_total=self.num_total, samples=tuple(self._samples), step=self.step,
+                     build_state=self._cluster_state)
         self._pending, self._samples = [], []
         return v
 

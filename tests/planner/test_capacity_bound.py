@@ -98,3 +98,32 @@ def test_fitting_batch_keeps_the_drain_estimates_choice(setup) -> None:
         for i, p in enumerate(state.requests)))
     a, b = _planner(model, pool, trace, "auto").decide(mid), _planner(model, pool, trace, "drain").decide(mid)
     assert a == b and a is not None
+
+
+def test_a_bound_start_takes_the_smallest_layout_within_the_margin() -> None:
+    """A capacity-bound stage may grow but not shrink, so its start is a one-way door upward: where a smaller
+    layout is predicted within the margin of the fastest, the stage starts there (Qwen3-14B on H100's pool room,
+    1024 responses capped at 24k: TP8 785.8 s, TP4 792.6 s predicted; TP8 then ran the whole stage, 983 s in the
+    simulator's low variant, where TP4 then TP8 takes 814 s)."""
+    from pat_rollout.sim.simulator import Sim
+    from pat_rollout.sim.traces import rl_stages
+
+    hw, pm = gpu_setup("h100", "qwen3_14b", "low")
+    pool = pat_hardware(hw)
+    planner = Planner(pm, PlannerConfig(candidate_tps=(1, 2, 4, 8)), engine=engine_spec(pool))
+    stage = rl_stages(deepscaler_like(max_new_tokens=24576, seed=0, history_iters=3), 3)[0]
+    for rec in stage.history:
+        planner.observe_history(rec.prompt_id, rec.response_len)
+    seen: list[ClusterState] = []
+
+    class Start(StaticPolicy):  # the batch as the simulator's driver hands it to choose_start
+        def on_start(self, state: ClusterState) -> None:
+            seen.append(state)
+
+    Sim(pool, stage, num_devices=8, policy=Start(1))
+    (state,) = seen
+    d = planner.choose_start(state)
+    assert planner.bound_tps(state) == {1, 2, 4, 8}  # the pool's room: every layout holds the same tokens
+    total = planner._start_total
+    assert min(total, key=total.get) == 8 and total[4] - total[8] <= 0.05 * total[4]
+    assert d is not None and d.target_tp == 4 and "smallest layout within the margin" in d.reason
