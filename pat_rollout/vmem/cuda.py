@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import ctypes
 
+from pat_rollout.vmem.mapper import MapperLedger
+
 
 class _Location(ctypes.Structure):
     _fields_ = [("type", ctypes.c_int), ("id", ctypes.c_int)]
@@ -38,7 +40,7 @@ class CudaError(RuntimeError):
     pass
 
 
-class CudaMapper:
+class CudaMapper(MapperLedger):
     """Reserve / create / map / unmap / release on one device, tracking what it made so `close()` undoes it all."""
 
     def __init__(self, device: int = 0, lib: str = "libcuda.so.1"):
@@ -92,18 +94,9 @@ class CudaMapper:
         self._call("cuMemRelease", _u64(handle))
         del self.handles[handle]
 
-    def physical_bytes(self) -> int:
-        return sum(self.handles.values())
-
-    def mapped_bytes(self) -> int:
-        return sum(self.handles[h] for h in self.maps.values())
-
     def close(self) -> None:
         """Unmap, release and free everything this mapper made (the caller synchronized the device)."""
-        for va, h in list(self.maps.items()):
-            self.unmap(va, self.handles[h])
-        for h in list(self.handles):
-            self.release(h)
+        self._unmap_and_release_all()
         for va, n in list(self.reservations.items()):
             self._call("cuMemAddressFree", _u64(va), _size(n))
             del self.reservations[va]

@@ -33,7 +33,28 @@ class Mapper(Protocol):
     def mapped_bytes(self) -> int: ...
 
 
-class FakeMapper:
+class MapperLedger:
+    """What a mapper made: `handles` (handle -> bytes) and `maps` (address -> handle), the byte counts derived from
+    them, and undoing every mapping and handle in order (unmap before release). Shared by FakeMapper (and so
+    HostMapper) and vmem.cuda.CudaMapper; each frees its reservations its own way after `_unmap_and_release_all`."""
+
+    handles: dict[int, int]
+    maps: dict[int, int]
+
+    def physical_bytes(self) -> int:
+        return sum(self.handles.values())
+
+    def mapped_bytes(self) -> int:
+        return sum(self.handles[h] for h in self.maps.values())
+
+    def _unmap_and_release_all(self) -> None:
+        for va, h in list(self.maps.items()):
+            self.unmap(va, self.handles[h])
+        for h in list(self.handles):
+            self.release(h)
+
+
+class FakeMapper(MapperLedger):
     """A CPU stand-in with the CUDA driver's rules: maps only inside reservations, never over a mapping, never a
     handle that is already mapped (no aliasing: weights and KV must not share a page), unmaps only whole earlier
     mappings, releases only unmapped handles, and refuses to create past `budget_bytes` (out of memory). Records
@@ -120,18 +141,9 @@ class FakeMapper:
         del self.handles[handle]
         self._log("release", 0)
 
-    def physical_bytes(self) -> int:
-        return sum(self.handles.values())
-
-    def mapped_bytes(self) -> int:
-        return sum(self.handles[h] for h in self.maps.values())
-
     def close(self) -> None:
         """Unmap, release and free everything (as CudaMapper.close)."""
-        for va, h in list(self.maps.items()):
-            self.unmap(va, self.handles[h])
-        for h in list(self.handles):
-            self.release(h)
+        self._unmap_and_release_all()
         self.reservations.clear()
 
     def mapped_in(self, va: int, nbytes: int) -> int:
