@@ -70,6 +70,15 @@ COMMON_ARGS=(
     "trainer.default_local_dir=$CKPT_DIR"
 )
 
+# GRPO's algorithm overrides (both GRPO recipes): group-relative advantages, KL as a loss term, not in the reward.
+GRPO_ARGS=(
+    "algorithm.adv_estimator=grpo"
+    "algorithm.use_kl_in_reward=False"
+    "actor_rollout_ref.actor.use_kl_loss=True"
+    "actor_rollout_ref.actor.kl_loss_coef=0.001"
+    "actor_rollout_ref.actor.kl_loss_type=low_var_kl"
+)
+
 # rollout_args POLICY INITIAL_TP: the rollout section. One PAT pool per node (tp*dp = GPUS_PER_NODE devices);
 # PAT starts with GPUS_PER_NODE/INITIAL_TP replicas and merges them (up to TP=8) as the batch drains.
 # POLICY=static keeps INITIAL_TP for the whole stage: the static-TP baseline on the same engine.

@@ -5,13 +5,8 @@
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 MODEL_PATH=${MODEL_PATH:-meta-llama/Llama-3.1-8B-Instruct}
 policy_args grpo_llama31_8b 2
-launch "${COMMON_ARGS[@]}" \
-    "algorithm.adv_estimator=grpo" \
-    "algorithm.use_kl_in_reward=False" \
+launch "${COMMON_ARGS[@]}" "${GRPO_ARGS[@]}" \
     "actor_rollout_ref.model.path=$MODEL_PATH" \
-    "actor_rollout_ref.actor.use_kl_loss=True" \
-    "actor_rollout_ref.actor.kl_loss_coef=0.001" \
-    "actor_rollout_ref.actor.kl_loss_type=low_var_kl" \
     "${ROLLOUT_ARGS[@]}" \
     "trainer.experiment_name=$RUN_NAME" \
     "$@"

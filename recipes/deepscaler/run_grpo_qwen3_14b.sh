@@ -4,13 +4,8 @@
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 MODEL_PATH=${MODEL_PATH:-Qwen/Qwen3-14B}
 policy_args grpo_qwen3_14b 4
-launch "${COMMON_ARGS[@]}" \
-    "algorithm.adv_estimator=grpo" \
-    "algorithm.use_kl_in_reward=False" \
+launch "${COMMON_ARGS[@]}" "${GRPO_ARGS[@]}" \
     "actor_rollout_ref.model.path=$MODEL_PATH" \
-    "actor_rollout_ref.actor.use_kl_loss=True" \
-    "actor_rollout_ref.actor.kl_loss_coef=0.001" \
-    "actor_rollout_ref.actor.kl_loss_type=low_var_kl" \
     "actor_rollout_ref.actor.fsdp_config.param_offload=True" \
     "actor_rollout_ref.actor.fsdp_config.optimizer_offload=True" \
     "${ROLLOUT_ARGS[@]}" \
