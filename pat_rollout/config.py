@@ -56,8 +56,9 @@ class PatRolloutConfig:
       the exchange to the import); requests beyond it are recomputed. None: a quarter of the host memory available
       at start-up, shared by the devices (`kv_handoff_cap`).
     - reclaim_weight_memory: backend="sglang": a layout lends the weight memory its shard no longer uses to the KV
-      cache (docs/kv_reclaim.md; the base layout must be the smallest TP). CPU only for now (a fake mapper stands
-      in for the CUDA driver); off by default until a GPU has run it.
+      cache (docs/kv_reclaim.md; the base layout must be the smallest TP). CPU only for now (the pages move in host
+      virtual memory, vmem.host.HostMapper); refused on GPUs until the storages are adopted inside SGLang's start-up;
+      off by default.
     """
 
     model_path: str
