@@ -12,9 +12,10 @@ lockstep fallback (SGLang's broadcast over the whole pool).
 from __future__ import annotations
 
 import asyncio
-import time
+import functools
 
 import pytest
+from sgl_pool_waits import wait_info
 
 pytest.importorskip("sglang.srt")
 
@@ -30,17 +31,7 @@ PROMPT, MAX_NEW = 16, 464
 KV_TOKENS = 1100  # per TP1 replica: two requests fit (960), three do not (1440); TP2 holds ~2200: four fit (1920)
 
 
-def _wait_info(pool, pred, what: str, timeout: float = 120.0) -> list[dict]:
-    """Every rank's `pat_pool_info` once `pred` holds; the client's loop runs meanwhile (it sends the requests
-    and reads their streams)."""
-    t0 = time.time()
-    while time.time() - t0 < timeout:
-        info = pool.info()
-        if pred(info):
-            return info
-        pool.client.loop.run_until_complete(asyncio.sleep(0.05))
-    raise TimeoutError(f"{what} not seen in {timeout} s; last info: "
-                       f"{[(i['num_running'], i['num_waiting']) for i in info]}")
+_wait_info = functools.partial(wait_info, timeout=120.0)
 
 
 @pytest.mark.timeout(900)

@@ -17,10 +17,10 @@ the weights are bit-exact the unswitched model's (the shrink's reshard rewrote t
 
 from __future__ import annotations
 
-import asyncio
-import time
+import functools
 
 import pytest
+from sgl_pool_waits import wait_info
 
 pytest.importorskip("sglang.srt")
 
@@ -37,15 +37,7 @@ def _params(pool, path) -> list[dict]:
     return [p["params"] for p in pool.save_params(str(path))]
 
 
-def _wait_info(pool, pred, what: str, timeout: float = 180.0) -> list[dict]:
-    t0 = time.time()
-    while time.time() - t0 < timeout:
-        info = pool.info()
-        if pred(info):
-            return info
-        pool.client.loop.run_until_complete(asyncio.sleep(0.05))
-    raise TimeoutError(f"{what} not seen in {timeout} s; last info: "
-                       f"{[(i['num_running'], i['num_waiting']) for i in info]}")
+_wait_info = functools.partial(wait_info, timeout=180.0)
 
 
 @pytest.mark.timeout(900)
