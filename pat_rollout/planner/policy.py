@@ -356,20 +356,15 @@ class Planner:
                 why = "the smallest layout within the margin of the fastest (capacity-bound: it can only grow)"
         self._start_total, self._start_bound, self.last_start_tp = total, bound, best
         observed = self.calibration.observed_tps()
-
-        def explorable(tp: int) -> bool:
-            return (tp not in observed and total[tp] <= cfg.explore_max_ratio * total[best]
-                    and self._leavable(tp, best, bound))
         if cfg.calibrate and observed and best in observed:
-            if state.tp in total and explorable(state.tp):
+            unobserved = self._explorable(best, total, bound, observed)
+            if state.tp in unobserved:
                 best = state.tp  # explore in place: no switch
                 self.start_explored = True
-            elif state.tp != self._landed:
-                unobserved = [tp for tp in total if explorable(tp)]
-                if unobserved:
-                    best = min(unobserved, key=lambda tp: (total[tp], tp))
-                    self.start_explored = True
-                    why = f"never measured on this pool (TPs measured: {sorted(observed)}): exploring"
+            elif state.tp != self._landed and unobserved:
+                best = min(unobserved, key=lambda tp: (total[tp], tp))
+                self.start_explored = True
+                why = f"never measured on this pool (TPs measured: {sorted(observed)}): exploring"
         self._landed = None
         self.margin.predict(state.step, _plus(state.step, self.start_steps.get(best)), new_action=True)
         if best == state.tp:
@@ -383,6 +378,12 @@ class Planner:
             reason=f"stage start, {len(state.requests)} requests: tp={best} {why} ({run_s:.2f}s + "
                    f"{cost.total_s:.3f}s switch; " + ", ".join(f"tp={tp} {t:.2f}s" for tp, t in total.items()) + ")")
         return self.start_decision
+
+    def _explorable(self, best: int, total: dict[int, float], bound: frozenset[int], observed) -> list[int]:
+        """The layouts of `total` a start may explore instead of `best`: never measured here (not in `observed`),
+        predicted within explore_max_ratio of `best`, and leavable for `best` by the stage's rules."""
+        limit = self.config.explore_max_ratio * total[best]
+        return [tp for tp in total if tp not in observed and total[tp] <= limit and self._leavable(tp, best, bound)]
 
     def _leavable(self, tp: int, dst: int, bound: frozenset[int]) -> bool:
         """Whether a stage in `tp` may switch to `dst` by the running stage's rules (only_grow; under "auto", no
@@ -407,8 +408,7 @@ class Planner:
         observed = self.calibration.observed_tps()
         out = best
         if cfg.calibrate and observed and best in observed and best in total:
-            unobserved = [tp for tp in total if tp not in observed and total[tp] <= cfg.explore_max_ratio
-                          * total[best] and self._leavable(tp, best, self._start_bound)]
+            unobserved = self._explorable(best, total, self._start_bound, observed)
             if unobserved:
                 out = min(unobserved, key=lambda tp: (total[tp], tp))
         self._landed = out
