@@ -316,8 +316,6 @@ def reclaim_info(scheduler) -> dict | None:
     result. Besides the plan's numbers, the mapper's own state: its reserved ranges (weights: [start, bytes]; KV:
     [start, reserved bytes, base bytes]), the bytes it has mapped in each KV range, and whether every page the plan
     lends now is mapped at its KV slot (the same handle it was created for at its weight address)."""
-    from pat_rollout.vmem.adopt import mapped_in
-
     st = reclaim_state(scheduler)
     if st is None:
         return None
@@ -330,7 +328,7 @@ def reclaim_info(scheduler) -> dict | None:
                 physical_bytes=m.physical_bytes(),
                 weight_ranges=[[w.start, align_up(w.nbytes, plan.granule)] for w in plan.weights],
                 kv_ranges=[[r.start, r.reserved_bytes, r.base_bytes] for r in plan.kv],
-                mapper_kv_mapped=[mapped_in(m, r.start, r.reserved_bytes) for r in plan.kv],
-                mapper_weight_mapped=sum(mapped_in(m, w.start, align_up(w.nbytes, plan.granule))
+                mapper_kv_mapped=[m.mapped_in(r.start, r.reserved_bytes) for r in plan.kv],
+                mapper_weight_mapped=sum(m.mapped_in(w.start, align_up(w.nbytes, plan.granule))
                                          for w in plan.weights),
                 lent_at_kv_slots=all(m.maps.get(plan.kv_slot(i)) == st.handles[plan.order[i]] for i in range(lent)))

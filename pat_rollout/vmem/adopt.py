@@ -74,8 +74,3 @@ next is copied). Returns weight page address -> handle (what `apply_switch` move
         del new, old
     return handles
 
-
-def mapped_in(mapper: Mapper, va: int, nbytes: int) -> int:
-    """Mapped bytes inside [va, va + nbytes) (FakeMapper, HostMapper and CudaMapper keep `maps` and `handles`)."""
-    maps, sizes = mapper.maps, mapper.handles  # type: ignore[attr-defined]
-    return sum(sizes[h] for m, h in maps.items() if va <= m and m + sizes[h] <= va + nbytes)

@@ -73,7 +73,7 @@ class CudaMapper(MapperLedger):
     def create(self, nbytes: int) -> int:
         h = _u64(0)
         self._call("cuMemCreate", ctypes.byref(h), _size(nbytes), ctypes.byref(self.prop), _u64(0))
-        self.handles[h.value] = nbytes
+        self._add_handle(h.value, nbytes)
         return int(h.value)
 
     def map(self, va: int, handle: int) -> None:

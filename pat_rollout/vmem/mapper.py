@@ -40,12 +40,21 @@ class MapperLedger:
 
     handles: dict[int, int]
     maps: dict[int, int]
+    peak_physical: int = 0  # the most bytes of live handles at any time
+
+    def _add_handle(self, handle: int, nbytes: int) -> None:
+        self.handles[handle] = nbytes
+        self.peak_physical = max(self.peak_physical, self.physical_bytes())  # only a create adds physical bytes
 
     def physical_bytes(self) -> int:
         return sum(self.handles.values())
 
     def mapped_bytes(self) -> int:
         return sum(self.handles[h] for h in self.maps.values())
+
+    def mapped_in(self, va: int, nbytes: int) -> int:
+        """Mapped bytes inside [va, va + nbytes)."""
+        return sum(self.handles[h] for m, h in self.maps.items() if va <= m and m + self.handles[h] <= va + nbytes)
 
     def _unmap_and_release_all(self) -> None:
         for va, h in list(self.maps.items()):
@@ -74,7 +83,6 @@ class FakeMapper(MapperLedger):
 
     def _log(self, op: str, va: int) -> None:
         self.history.append((op, va, self.mapped_bytes(), self.physical_bytes()))
-        self.peak_physical = max(self.peak_physical, self.physical_bytes())
 
     def reserve(self, nbytes: int) -> int:
         if nbytes <= 0 or nbytes % self.granule:
@@ -91,7 +99,7 @@ class FakeMapper(MapperLedger):
             raise ReclaimError(f"create({nbytes}): out of memory ({self.physical_bytes()} of {self.budget_bytes} B "
                                f"in use)")
         h = self._new_handle(nbytes)
-        self.handles[h] = nbytes
+        self._add_handle(h, nbytes)
         self._log("create", 0)
         return h
 
@@ -145,10 +153,6 @@ class FakeMapper(MapperLedger):
         """Unmap, release and free everything (as CudaMapper.close)."""
         self._unmap_and_release_all()
         self.reservations.clear()
-
-    def mapped_in(self, va: int, nbytes: int) -> int:
-        """Mapped bytes inside [va, va + nbytes)."""
-        return sum(self.handles[h] for m, h in self.maps.items() if va <= m and m + self.handles[h] <= va + nbytes)
 
 
 def map_initial(plan: ReclaimPlan, mapper: Mapper) -> dict[int, int]:

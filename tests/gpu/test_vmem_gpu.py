@@ -76,7 +76,7 @@ def test_a_parameter_adopted_into_cuda_mapper_ranges_gives_the_same_matmul(mappe
     re-pointed (same Parameter objects); the matmul through them equals the one before, bit for bit; a grow moves
     the weight's tail page into the KV range with its bytes, a shrink brings it home and the matmul is unchanged."""
     from pat_rollout.vmem import KvRegion, ReclaimPlan, WeightStorage, apply_switch
-    from pat_rollout.vmem.adopt import adopt, mapped_in
+    from pat_rollout.vmem.adopt import adopt
     from pat_rollout.vmem.cuda import torch_bytes
     from pat_rollout.vmem.plan import align_up
 
@@ -112,7 +112,7 @@ def test_a_parameter_adopted_into_cuda_mapper_ranges_gives_the_same_matmul(mappe
     tail = torch_bytes(page, g).clone()
     torch.cuda.synchronize()
     apply_switch(plan, mapper, handles, 1, 2, kv_used_bytes=[0])
-    assert mapped_in(mapper, kv_start, base + 2 * g) == base + g
+    assert mapper.mapped_in(kv_start, base + 2 * g) == base + g
     assert torch.equal(torch_bytes(plan.kv_slot(0), g), tail), "the lent page did not bring its bytes"
     torch.cuda.synchronize()
     apply_switch(plan, mapper, handles, 2, 1, kv_used_bytes=[0])

@@ -16,7 +16,7 @@ if not sys.platform.startswith("linux"):
     pytest.skip("HostMapper is Linux only", allow_module_level=True)
 
 from pat_rollout.vmem import KvRegion, ReclaimPlan, WeightStorage, apply_switch  # noqa: E402
-from pat_rollout.vmem.adopt import adopt, mapped_in  # noqa: E402
+from pat_rollout.vmem.adopt import adopt  # noqa: E402
 from pat_rollout.vmem.host import HostMapper, torch_bytes  # noqa: E402
 from pat_rollout.vmem.plan import align_up  # noqa: E402
 
@@ -65,12 +65,12 @@ def test_adopted_parameters_keep_their_objects_and_outputs_and_pages_really_move
         tail_bytes = {va: torch_bytes(va, G).clone() for va in plan.order[:lent]}
         apply_switch(plan, m, handles, 1, 2, kv_used_bytes=[0])
         r = plan.kv[0]
-        assert mapped_in(m, r.start, r.reserved_bytes) == r.base_bytes + lent * G
+        assert m.mapped_in(r.start, r.reserved_bytes) == r.base_bytes + lent * G
         for i, va in enumerate(plan.order[:lent]):
             assert torch.equal(torch_bytes(plan.kv_slot(i), G), tail_bytes[va])  # the same physical page
         torch_bytes(plan.kv_slot(0), G).fill_(7)  # KV writes into a lent page
         apply_switch(plan, m, handles, 2, 1, kv_used_bytes=[0])
-        assert mapped_in(m, r.start, r.reserved_bytes) == r.base_bytes
+        assert m.mapped_in(r.start, r.reserved_bytes) == r.base_bytes
         assert torch.equal(torch_bytes(plan.order[0], G), torch.full((G,), 7, dtype=torch.uint8))  # home again
         torch_bytes(plan.order[0], G).copy_(tail_bytes[plan.order[0]])  # undo that write: all else came home
         assert torch.equal(model(x), before)
