@@ -59,6 +59,7 @@ next is copied). Returns weight page address -> handle (what `apply_switch` move
                 else:
                     p.set_(sto, p.storage_offset(), p.shape, p.stride())
         del old, new, sto
+        _give_back()
     for j, r in enumerate(plan.kv):
         old = kv[j]
         if old.nbytes() > r.base_bytes:
@@ -72,5 +73,18 @@ next is copied). Returns weight page address -> handle (what `apply_switch` move
         repoint_kv(j, old, new.untyped_storage())
         kv[j] = None
         del new, old
+        _give_back()
     return handles
+
+
+def _give_back() -> None:
+    """On CUDA, hand the storage just dropped back to the device: torch's caching allocator would keep it, and the
+    next storage's pages come from `cuMemCreate`, outside that allocator, out of what the device has free (little,
+    next to SGLang's static memory fraction). Only whole cached segments go back: an old storage that shared a
+    segment with a live tensor stays cached, which only a GPU run can measure (tests/gpu/test_vmem_gpu.py). On the
+    CPU the storage is freed when dropped."""
+    import torch
+
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
 
