@@ -117,22 +117,26 @@ class VllmPool(Pool):
     def _start(self, layout: Layout) -> list[Any]:
         """One engine per replica of `layout`, started one after another (vLLM reads the device placement from
         the environment its processes start with); if one fails, the started ones are stopped."""
-        from pat_rollout.vllm.replica import VllmReplica
-
         made: list[Any] = []
         try:
             for r, group in enumerate(layout.groups):
                 if r == len(layout.groups) - 1:
                     self._maybe_fail("start", f"starting replica {r} of {layout}")
-                args = {**self.args, "seed": replica_seed(self.args["seed"], self.switches, r)}
-                made.append(VllmReplica(r, group, args, replica_env(group, self.num_devices, self.device),
-                                        eos_token_ids=self.spec.eos_token_ids))
+                made.append(self._new_replica(r, group))
         except BaseException:
             for rep in made:
                 rep.shutdown()
             raise
         self.kv_tokens = min(rep.kv_tokens for rep in made)
         return made
+
+    def _new_replica(self, r: int, group: tuple[int, ...]) -> Any:
+        """Replica `r`'s engine on the devices of `group`, its sampler seeded for this switch and replica."""
+        from pat_rollout.vllm.replica import VllmReplica
+
+        args = {**self.args, "seed": replica_seed(self.args["seed"], self.switches, r)}
+        return VllmReplica(r, group, args, replica_env(group, self.num_devices, self.device),
+                           eos_token_ids=self.spec.eos_token_ids)
 
     def _stop(self) -> None:
         errors = []
@@ -285,8 +289,6 @@ class VllmPool(Pool):
             new = [rep for rep in self.replicas if all(rep is not o for o in old)]
             for rep in new:
                 rep.shutdown()
-            from pat_rollout.vllm.replica import VllmReplica
-
             replicas: list[Any] = []
             restarted = 0
             for rep in old:
@@ -294,10 +296,7 @@ class VllmPool(Pool):
                     replicas.append(rep)
                     continue
                 restarted += 1
-                r, group = rep.index, src.groups[rep.index]
-                args = {**self.args, "seed": replica_seed(self.args["seed"], self.switches, r)}
-                replicas.append(VllmReplica(r, group, args, replica_env(group, self.num_devices, self.device),
-                                            eos_token_ids=self.spec.eos_token_ids))
+                replicas.append(self._new_replica(rep.index, src.groups[rep.index]))
             self.replicas, self.layout = replicas, src
             self.kv_tokens = min(rep.kv_tokens for rep in replicas)
             for r, tr in exported:
