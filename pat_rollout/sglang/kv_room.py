@@ -23,6 +23,7 @@ Only stdlib, torch and pat_rollout at import.
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 
@@ -270,7 +271,7 @@ def start_reclaim(scheduler) -> Reclaim:
         if spec is None or spec.dim is None or p.storage_offset() != 0:
             kept = {t: n for t in tps}  # replicated (or not at its storage's start): nothing to lend
         else:
-            kept = {t: min(n, _numel(spec.local_shape(pos[t], t)) * size) for t in tps}
+            kept = {t: min(n, math.prod(spec.local_shape(pos[t], t)) * size) for t in tps}
         weights.append(WeightStorage(name=name, start=mapper.reserve(align_up(n, granule)), nbytes=n, kept=kept))
     sto = None  # the loop's last storage: the adoption frees each old storage as it goes
     kv = [sto for _, sto in sorted(_storages(pool).items())]
@@ -302,13 +303,6 @@ def start_reclaim(scheduler) -> Reclaim:
     st = scheduler._pat_reclaim = Reclaim(plan=plan, mapper=mapper, handles=handles, tp=base_tp,
                                           base_room=base_room)
     return st
-
-
-def _numel(shape) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
 
 
 def reclaim_info(scheduler) -> dict | None:
