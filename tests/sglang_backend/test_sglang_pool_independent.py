@@ -4,7 +4,7 @@ stall another replica's decode.
 Rank 0 reads every request and routes it to its replica's leader (`replica_input`); only the ranks of one replica
 synchronise. In 2 x TP1, replica 1 decodes one long request while replica 0 prefills a long prompt. Every rank logs
 the start and end of each forward (`debug_hooks`, PAT_SGLANG_STEP_LOG): replica 1 keeps decoding during replica
-0's prefill, with no gap between its decode steps near the whole prefill. In lockstep (SGLang's broadcast of every
+0's prefill: it starts decode steps inside it. In lockstep (SGLang's broadcast of every
 request over the whole pool at the top of each iteration) replica 1 could start at most one decode step per
 iteration of replica 0, so none would start inside the prefill after the first.
 """
@@ -75,9 +75,9 @@ def test_long_prefill_on_one_replica_does_not_stall_the_other(tmp_path, monkeypa
            f"{max(gaps) * 1e3:.1f} ms")
     print(msg)
     # What separates the two behaviours, whatever this machine's speed or load: in lockstep replica 1 starts at most
-    # one decode step inside the prefill, so some gap between [t0, inside..., t1] is at least half the prefill.
-    # Independent replicas keep decoding through it (seen: 15-29 steps started in a 1.0-1.4 s prefill, the longest
-    # gap 93 ms, on 2 shared cores). The bounds sit at that separation, not at a ratio of two measured times (nor
-    # does the prefill's length relative to a decode step decide anything: lockstep fails both whatever the ratio).
+    # one decode step inside the prefill (it waits on rank 0's broadcast at the top of every iteration, and rank 0
+    # is in the prefill's forward); independent replicas keep decoding through it (seen: 15-51 steps started inside
+    # a 1.0-29 s prefill). The count is the separation. The longest gap is printed, not asserted: under load the OS
+    # can deschedule rank 1 for most of a prefill (seen: 20.6 s of a 29.4 s prefill at load 20 on 2 cores) without
+    # any lockstep, so a bound on it would measure the machine, not the pool.
     assert len(inside) >= 2, msg
-    assert max(gaps) < (t1 - t0) / 2, msg
