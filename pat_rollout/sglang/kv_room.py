@@ -369,6 +369,9 @@ def _adopt_kv(runner) -> None:
 
     w: _Weights = runner._pat_weights
     pool = runner.token_to_kv_pool
+    if getattr(pool, "post_capture_active", False):
+        raise RuntimeError("reclaim_weight_memory: SGLang's post-capture KV sizing is on (the KV pool is backed after "
+                           "the graph capture); the pool sets SGLANG_ENABLE_POST_CAPTURE_KV_SIZING=0")
     device = pool.k_buffer[0].device
     granule, tps, mapper = w.granule, w.tps, w.mapper
     kv = [sto for _, sto in sorted(_storages(pool).items())]

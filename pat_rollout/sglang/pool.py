@@ -70,8 +70,16 @@ def check_page_size(engine_args: dict[str, Any]) -> None:
 def check_reclaim(config: PatRolloutConfig, engine_args: dict[str, Any]) -> None:
     """reclaim_weight_memory with SGLang's memory saver (`enable_memory_saver`, verl's release / resume of weights
     and KV between RL steps) is refused, on every device: the adopted storages live in the reclaiming mapper's
-    ranges, outside torch_memory_saver's regions, so a release would free none of them (docs/kv_reclaim.md)."""
-    if config.reclaim_weight_memory and engine_args.get("enable_memory_saver"):
+    ranges, outside torch_memory_saver's regions, so a release would free none of them (docs/kv_reclaim.md). So is
+    0.5.23's `startup_weight_load_mode="overlap"`: `load_model` returns placeholder weights there and commits the
+    real ones after the graph capture, after the adoption."""
+    if not config.reclaim_weight_memory:
+        return
+    if engine_args.get("startup_weight_load_mode") == "overlap":
+        raise ValueError("SglPool: reclaim_weight_memory=True with startup_weight_load_mode='overlap' is not "
+                         "supported: the weights are adopted right after load_model, which returns placeholders in "
+                         "that mode (docs/kv_reclaim.md)")
+    if engine_args.get("enable_memory_saver"):
         raise ValueError("SglPool: reclaim_weight_memory=True with engine_args['enable_memory_saver']=True is not "
                          "supported: the weights and KV are adopted into the reclaiming mapper's ranges, which "
                          "SGLang's memory saver does not manage, so release_memory_occupation would free none of "
@@ -99,6 +107,9 @@ def launch_pool_engine(config: PatRolloutConfig, layouts: dict[int, Layout], dev
         from pat_rollout.sglang.kv_room import RECLAIM_ENV
 
         env[RECLAIM_ENV] = "1"
+        # 0.5.23's post-capture KV sizing backs the KV pool after the graph capture (its own VMM): the adoption
+        # needs the KV pool allocated before the capture (kv_room refuses a post-capture pool as well)
+        env["SGLANG_ENABLE_POST_CAPTURE_KV_SIZING"] = "0"
     base = Layout.uniform(config.num_devices, config.initial_tp)
     env[POOL_ENV] = json.dumps({"base": [list(g) for g in base.groups],
                                 "layouts": {str(tp): [list(g) for g in lay.groups] for tp, lay in layouts.items()},

@@ -148,15 +148,22 @@ def test_reclaiming_grow_admits_the_planned_room_and_the_shrink_recomputes_what_
         pool.shutdown()
 
 
-def test_reclaiming_with_the_memory_saver_is_refused_before_anything_starts(tiny_models):
-    """SGLang's memory saver would not release the adopted storages: the combination is refused, before the engine
-    launches (on the CPU too, where the pool otherwise drops enable_memory_saver)."""
+@pytest.mark.parametrize("engine_args, error", [
+    ({"enable_memory_saver": True},
+     r"reclaim_weight_memory=True with engine_args\['enable_memory_saver'\]=True is not supported: .* memory saver "
+     r"does not manage"),
+    ({"startup_weight_load_mode": "overlap"},
+     r"reclaim_weight_memory=True with startup_weight_load_mode='overlap' is not supported"),
+], ids=["memory-saver", "overlapped-load"])
+def test_reclaiming_refuses_what_the_adoption_cannot_serve_before_anything_starts(tiny_models, engine_args, error):
+    """SGLang's memory saver would not release the adopted storages, and an overlapped weight load commits the real
+    weights after the adoption: refused before the engine launches (the memory saver on the CPU too, where the pool
+    otherwise drops enable_memory_saver)."""
     from pat_rollout.layout import Layout
     from pat_rollout.sglang.pool import SglPool, check_model
 
     cfg = PatRolloutConfig(model_path=tiny_models["qwen3"], num_devices=2, backend="sglang", initial_tp=1,
                            candidate_tps=(1, 2), policy="manual", dtype="float32", reclaim_weight_memory=True,
-                           engine_args={"enable_memory_saver": True})
-    with pytest.raises(ValueError, match=r"reclaim_weight_memory=True with engine_args\['enable_memory_saver'\]"
-                                         r"=True is not supported: .* memory saver does not manage"):
+                           engine_args=engine_args)
+    with pytest.raises(ValueError, match=error):
         SglPool(cfg, check_model(cfg), Layout.uniform(2, 1), device="cpu")
