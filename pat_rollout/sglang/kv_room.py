@@ -291,7 +291,10 @@ def install_startup_hooks() -> None:
         return out
 
     def alloc_kv(self, *a, **kw):
-        adopting = _adopting(self) and getattr(self, "_pat_reclaim", None) is None
+        # only the runner whose weights were adopted (a runner without them, e.g. 0.5.23's extra MTP runners, which
+        # the pool does not run, is left alone; `started` then refuses at the pool's first RPC)
+        adopting = (_adopting(self) and getattr(self, "_pat_reclaim", None) is None
+                    and getattr(self, "_pat_weights", None) is not None)
         if adopting:
             _event("kv_alloc_begin", self)
         out = orig_kv(self, *a, **kw)
