@@ -56,9 +56,10 @@ class PatRolloutConfig:
       the exchange to the import); requests beyond it are recomputed. None: a quarter of the host memory available
       at start-up, shared by the devices (`kv_handoff_cap`).
     - reclaim_weight_memory: backend="sglang": a layout lends the weight memory its shard no longer uses to the KV
-      cache (docs/kv_reclaim.md; the base layout must be the smallest TP). CPU only for now (the pages move in host
-      virtual memory, vmem.host.HostMapper); refused on GPUs until the storages are adopted inside SGLang's start-up;
-      off by default.
+      cache (docs/kv_reclaim.md; the base layout must be the smallest TP). The storages are adopted into reserved
+      virtual memory inside SGLang's start-up, before its KV pool and graph capture (CPU: vmem.host.HostMapper,
+      tested; CUDA: vmem.cuda.CudaMapper, not run on a GPU yet); refused with engine_args' enable_memory_saver (its
+      release would not reach the adopted storages); off by default.
     """
 
     model_path: str

@@ -206,6 +206,18 @@ def startup_capture_method() -> tuple[type, str]:
     return ModelRunner, "init_cuda_graphs" if hasattr(ModelRunner, "init_cuda_graphs") else "init_device_graphs"
 
 
+def startup_load_and_kv_methods() -> tuple[tuple[type, str], tuple[type, str]]:
+    """The ModelRunner methods that load the model and allocate the KV pool at start-up (reclaim_weight_memory adopts
+    the weights after the first and the KV storages after the second, both before `startup_capture_method`).
+    `load_model` in both versions; the KV pool: 0.5.23 `alloc_memory_pool` (from `Scheduler.init_memory_pools`),
+    0.5.12 `init_memory_pool` (from `ModelRunner.initialize`, after `load_model`, before the attention backend and
+    `init_device_graphs`)."""
+    from sglang.srt.model_executor.model_runner import ModelRunner
+
+    kv = "alloc_memory_pool" if hasattr(ModelRunner, "alloc_memory_pool") else "init_memory_pool"
+    return (ModelRunner, "load_model"), (ModelRunner, kv)
+
+
 def weight_update_method() -> tuple[type, str]:
     """Where a tensor weight update runs the weight loaders (to be wrapped with the layout's group)."""
     try:

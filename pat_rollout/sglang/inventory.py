@@ -99,6 +99,8 @@ STATIC: tuple[Need, ...] = (
     _n("compat.build_methods (patched: built under the base layout)",
        f"{SCHED}:Scheduler.init_memory_pools + {SCHED}:Scheduler.init_tp_model_worker + "
        f"{SCHED}:Scheduler.init_all_attention_backends", f"{MR}.initialize"),
+    _n("compat.startup_load_and_kv_methods (patched: reclaim_weight_memory adopts at start-up)",
+       f"{MR}.load_model + {MR}.alloc_memory_pool", f"{MR}.load_model + {MR}.init_memory_pool"),
     _n("pool_hooks._install_build_and_forward (patched)", f"{TPW}.forward_batch_generation"),
     _n("compat.weight_update_method (patched), compat.weight_update_context",
        f"{WU}.update_weights_from_tensor + {ENG}.begin_weight_update + {ENG}.end_weight_update",

@@ -12,12 +12,12 @@ components keep. `max_prefill_tokens`, `chunked_prefill_size` and the new-token 
 
 With `PatRolloutConfig.reclaim_weight_memory` (RECLAIM_ENV in the scheduler processes; docs/kv_reclaim.md) a
 layout's room is the base room plus the weight bytes its shard no longer uses, as a `vmem.ReclaimPlan` lends them
-in granules (`planner.capacity.reclaim_room_bytes`): at pool start-up (`start_reclaim`) every parameter storage and
-KV storage is adopted into ranges the device's mapper reserved (`vmem.adopt`), and every switch moves the plan's
-pages on that mapper (a shrink's before the reshard, `before_weights`; a grow's after it, in `set_layout`) before
-the re-view. On CPU the mapper is `vmem.host.HostMapper`: the pages really leave the weights' addresses and appear
-in the KV ranges. On GPUs it would be `vmem.cuda.CudaMapper`; the pool still refuses the flag there
-(docs/kv_reclaim.md says what remains).
+in granules (`planner.capacity.reclaim_room_bytes`): inside SGLang's start-up (`install_startup_hooks`) every
+parameter storage is adopted into ranges the device's mapper reserved right after `load_model`, and every KV
+storage right after the KV pool's allocation, both before the start-up graph capture (`vmem.adopt`); every switch
+moves the plan's pages on that mapper (a shrink's before the reshard, `before_weights`; a grow's after it, in
+`set_layout`) before the re-view. On CPU the mapper is `vmem.host.HostMapper`: the pages really leave the weights'
+addresses and appear in the KV ranges. On CUDA it is `vmem.cuda.CudaMapper` (not run on a GPU yet).
 Only stdlib, torch and pat_rollout at import.
 """
 
@@ -173,14 +173,21 @@ class Reclaim:
 
 
 def reclaim_state(scheduler) -> Reclaim | None:
-    return getattr(scheduler, "_pat_reclaim", None)
+    return getattr(scheduler.tp_worker.model_runner, "_pat_reclaim", None)
+
+
+def started(scheduler) -> Reclaim:
+    """This rank's reclaiming state, which SGLang's start-up made (`install_startup_hooks`)."""
+    st = reclaim_state(scheduler)
+    if st is None:
+        raise RuntimeError("reclaim_weight_memory: this rank's weights and KV were not adopted at start-up (the "
+                           "scheduler process ran without kv_room.install_startup_hooks)")
+    return st
 
 
 def _reclaim_to(scheduler, pool, tp: int) -> float:
     """Move the plan's pages to the TP=tp mapping (the pool is empty: the switch flushed it) and return its room."""
-    st = reclaim_state(scheduler)
-    if st is None:  # SglPool starts it at pool start-up (`start_reclaim`); a bare scheduler here, at its first switch
-        st = start_reclaim(scheduler)
+    st = started(scheduler)
     _move(scheduler, st, tp)
     return st.room(tp)
 
@@ -223,28 +230,104 @@ def _mapper_for(device: torch.device, granule: int):
     raise NotImplementedError(f"reclaim_weight_memory on {device.type}")
 
 
-def start_reclaim(scheduler) -> Reclaim:
-    """Build this rank's plan over its live parameters' storages and its KV storages, reserve their ranges on the
-    device's mapper, and adopt them (`vmem.adopt`: each storage copied into its mapped base extent and re-pointed,
-    one at a time; parameters keep their objects). Runs in the base layout with an empty pool, at pool start-up
-    (`SglPool.__init__` -> `pat_reclaim_start`, before `pat_backup_base` and `pool_startup.prepare`, which
-    captures the other layouts' CUDA graphs): nothing recorded a non-base address before it. SGLang's own
-    start-up capture of the base layout's graphs ran earlier, over the old addresses: why the pool still refuses
-    the flag on GPUs (docs/kv_reclaim.md); a CPU run has no graphs and cannot show that part."""
+# ---- adoption inside SGLang's start-up (scheduler process) ---------------------------------------------------
+EVENTS: list[dict] = []  # this process's start-up sequence with the flag on (reported by `reclaim_info`)
+
+
+@dataclass
+class _Weights:
+    """The weights adopted right after `load_model`, waiting for the KV pool (`_adopt_kv` completes the plan)."""
+
+    mapper: Mapper
+    view: object
+    weights: list[WeightStorage]
+    handles: dict[int, int]
+    tps: list[int]
+    base_tp: int
+    granule: int
+
+
+def _adopting(runner) -> bool:
+    return reclaiming() and not getattr(runner, "is_draft_worker", False)
+
+
+def _in_ranges(ptrs, ranges) -> bool:
+    return all(any(a <= p < a + n for a, n in ranges) for p in ptrs)
+
+
+def _event(name: str, runner) -> None:
+    """Record `name` with where the parameters and KV storages are now: inside the reserved ranges or not."""
+    w = getattr(runner, "_pat_weights", None)
+    st = getattr(runner, "_pat_reclaim", None)
+    params = [p.data_ptr() for p in runner.model.parameters()] if getattr(runner, "model", None) is not None else []
+    ev: dict = dict(event=name, params_in_ranges=None, kv_storage=None, kv_at_ranges=None)
+    if w is not None and params:
+        ev["params_in_ranges"] = _in_ranges(params, [(x.start, align_up(x.nbytes, w.granule)) for x in w.weights])
+    pool = getattr(runner, "token_to_kv_pool", None)
+    if pool is not None:
+        ev["kv_storage"] = storage_ptrs(pool)
+        ev["kv_at_ranges"] = st is not None and ev["kv_storage"] == sorted(r.start for r in st.plan.kv)
+    EVENTS.append(ev)
+
+
+def install_startup_hooks() -> None:
+    """reclaim_weight_memory (scheduler processes of a pool; a no-op without RECLAIM_ENV): adopt this rank's weights
+    right after `ModelRunner.load_model` (before SGLang sizes and allocates its KV pool) and its KV storages right
+    after the KV pool's allocation (`compat.startup_load_and_kv_methods`), both before the start-up CUDA-graph
+    capture (`compat.startup_capture_method`), so no graph, pointer table or attention backend ever records an
+    address outside the reserved ranges. Each step is recorded in `EVENTS` (`reclaim_info` reports it)."""
+    if not reclaiming():
+        return
+    (lcls, lname), (kcls, kname) = compat.startup_load_and_kv_methods()
+    ccls, cname = compat.startup_capture_method()
+    orig_load, orig_kv, orig_capture = getattr(lcls, lname), getattr(kcls, kname), getattr(ccls, cname)
+
+    def load_model(self, *a, **kw):
+        out = orig_load(self, *a, **kw)
+        if _adopting(self) and getattr(self, "_pat_weights", None) is None:
+            _event("model_loaded", self)
+            _adopt_weights(self)
+            _event("weights_adopted", self)
+        return out
+
+    def alloc_kv(self, *a, **kw):
+        # only the runner whose weights were adopted (a runner without them, e.g. 0.5.23's extra MTP runners, which
+        # the pool does not run, is left alone; `started` then refuses at the pool's first RPC)
+        adopting = (_adopting(self) and getattr(self, "_pat_reclaim", None) is None
+                    and getattr(self, "_pat_weights", None) is not None)
+        if adopting:
+            _event("kv_alloc_begin", self)
+        out = orig_kv(self, *a, **kw)
+        if adopting:
+            _event("kv_allocated", self)
+            _adopt_kv(self)
+            _event("kv_adopted", self)
+        return out
+
+    def capture(self, *a, **kw):
+        if _adopting(self):
+            _event("capture", self)
+        return orig_capture(self, *a, **kw)
+
+    setattr(lcls, lname, load_model)
+    setattr(kcls, kname, alloc_kv)
+    setattr(ccls, cname, capture)
+
+
+def _adopt_weights(runner) -> None:
+    """Plan this rank's weight storages (kept bytes per layout from the shard specs; storages shared by several
+    parameters are kept whole), reserve their ranges on the device's mapper and adopt them (`vmem.adopt_weights`:
+    each copied into its mapped extent and re-pointed, one at a time; parameters keep their objects; on CUDA the
+    old storage goes back to the device after each). Base layout (SGLang builds the model under it)."""
     from pat_rollout.layout.layout import Layout
     from pat_rollout.sglang import pool_hooks
-    from pat_rollout.sglang.live_model import _hf_config_dict, sglang_specs
-    from pat_rollout.vmem.adopt import adopt
+    from pat_rollout.sglang.live_model import sglang_specs
+    from pat_rollout.vmem.adopt import adopt_weights
 
-    if reclaim_state(scheduler) is not None:
-        return reclaim_state(scheduler)
-    runner = scheduler.tp_worker.model_runner
-    pool = runner.token_to_kv_pool
-    device = pool.k_buffer[0].device
     state = pool_hooks.STATE
     granule = int(os.environ.get(RECLAIM_GRANULE_ENV, CUDA_GRANULE))
     model = runner.model
-    specs = sglang_specs(_hf_config_dict(scheduler), int(model.model.embed_tokens.num_embeddings_padded))
+    specs = sglang_specs(runner.model_config.hf_config.to_dict(), int(model.model.embed_tokens.num_embeddings_padded))
     tps = sorted(int(t) for t in state.layouts)
     base_tp = len(state.base[0])
     if tps[0] != base_tp:
@@ -253,6 +336,7 @@ def start_reclaim(scheduler) -> Reclaim:
     if Layout(state.groups) != Layout(state.base):
         raise RuntimeError(f"reclaim_weight_memory starts in the base layout ({state.groups} != {state.base})")
     pos = {t: Layout(state.layouts[t]).position(state.rank)[1] for t in tps}
+    device = next(model.parameters()).device
     mapper, view = _mapper_for(device, granule)
     weights, groups, index = [], [], {}
     for name, p in model.named_parameters():
@@ -273,18 +357,37 @@ def start_reclaim(scheduler) -> Reclaim:
         else:
             kept = {t: min(n, math.prod(spec.local_shape(pos[t], t)) * size) for t in tps}
         weights.append(WeightStorage(name=name, start=mapper.reserve(align_up(n, granule)), nbytes=n, kept=kept))
-    sto = None  # the loop's last storage: the adoption frees each old storage as it goes
+    sto = p = None  # the loop's last storage: the adoption frees each old storage as it goes
+    handles = adopt_weights(weights, granule, mapper, view, groups)
+    runner._pat_weights = _Weights(mapper=mapper, view=view, weights=weights, handles=handles, tps=tps,
+                                   base_tp=base_tp, granule=granule)
+
+
+def _adopt_kv(runner) -> None:
+    """SGLang just allocated its KV pool (sized by its memory budget after the adopted weights): reserve one range per
+    KV storage, large enough for every layout's lent pages, build the plan and adopt the storages
+    (`vmem.adopt_kv`: each copied into its range's mapped base and re-pointed, one at a time, so the extra memory
+    at the peak is one KV storage); SGLang's pointer tables are rebuilt over the new addresses."""
+    from pat_rollout.vmem.adopt import adopt_kv
+
+    w: _Weights = runner._pat_weights
+    pool = runner.token_to_kv_pool
+    if getattr(pool, "post_capture_active", False):
+        raise RuntimeError("reclaim_weight_memory: SGLang's post-capture KV sizing is on (the KV pool is backed after "
+                           "the graph capture); the pool sets SGLANG_ENABLE_POST_CAPTURE_KV_SIZING=0")
+    device = pool.k_buffer[0].device
+    granule, tps, mapper = w.granule, w.tps, w.mapper
     kv = [sto for _, sto in sorted(_storages(pool).items())]
     # a dry plan for the lendable pages, then reservations large enough for every layout
     probe = [KvRegion(start=(1 << 60) + i * (1 << 50), base_bytes=align_up(s.nbytes(), granule),
                       reserved_bytes=align_up(s.nbytes(), granule) + (1 << 49)) for i, s in enumerate(kv)]
-    lendable = ReclaimPlan.build(weights=weights, kv=probe, tps=tps, granule=granule).lent_pages(tps[-1])
+    lendable = ReclaimPlan.build(weights=w.weights, kv=probe, tps=tps, granule=granule).lent_pages(tps[-1])
     ext = -(-lendable // len(kv)) * granule
     regions = []
     for n in [s.nbytes() for s in kv]:  # no loop variable left holding a storage the adoption should free
         base = align_up(n, granule)
         regions.append(KvRegion(start=mapper.reserve(base + ext), base_bytes=base, reserved_bytes=base + ext))
-    plan = ReclaimPlan.build(weights=weights, kv=regions, tps=tps, granule=granule)
+    plan = ReclaimPlan.build(weights=w.weights, kv=regions, tps=tps, granule=granule)
     base_room = room_bytes(pool)
 
     def repoint_kv(_j: int, old, new) -> None:
@@ -298,11 +401,9 @@ def start_reclaim(scheduler) -> Reclaim:
                                                                                     v.stride())
 
     pool.k_buffer, pool.v_buffer = list(pool.k_buffer), list(pool.v_buffer)
-    handles = adopt(plan, mapper, view, groups, kv, repoint_kv)
+    adopt_kv(plan, mapper, w.view, kv, repoint_kv)
     compat.refresh_kv_pointers(pool)
-    st = scheduler._pat_reclaim = Reclaim(plan=plan, mapper=mapper, handles=handles, tp=base_tp,
-                                          base_room=base_room)
-    return st
+    runner._pat_reclaim = Reclaim(plan=plan, mapper=mapper, handles=w.handles, tp=w.base_tp, base_room=base_room)
 
 
 def reclaim_info(scheduler) -> dict | None:
@@ -315,7 +416,7 @@ def reclaim_info(scheduler) -> dict | None:
         return None
     plan, m = st.plan, st.mapper
     lent = plan.lent_pages(st.tp)
-    return dict(tp=st.tp, granule=plan.granule, lent_pages=lent, mapper=type(m).__name__,
+    return dict(tp=st.tp, granule=plan.granule, events=list(EVENTS), lent_pages=lent, mapper=type(m).__name__,
                 reclaimed_bytes=plan.reclaimed_bytes(st.tp), freed_bytes=plan.freed_bytes(st.tp),
                 room_bytes=st.room(st.tp), kv_mapped_bytes=plan.kv_mapped_bytes(st.tp),
                 planned_room={t: st.room(t) for t in plan.tps}, peak_physical=m.peak_physical,

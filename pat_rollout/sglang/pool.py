@@ -67,6 +67,25 @@ def check_page_size(engine_args: dict[str, Any]) -> None:
                          "use page_size=1 (SGLang's default; trtllm_mha and FA3 with --page-size set larger ones)")
 
 
+def check_reclaim(config: PatRolloutConfig, engine_args: dict[str, Any]) -> None:
+    """reclaim_weight_memory with SGLang's memory saver (`enable_memory_saver`, verl's release / resume of weights
+    and KV between RL steps) is refused, on every device: the adopted storages live in the reclaiming mapper's
+    ranges, outside torch_memory_saver's regions, so a release would free none of them (docs/kv_reclaim.md). So is
+    0.5.23's `startup_weight_load_mode="overlap"`: `load_model` returns placeholder weights there and commits the
+    real ones after the graph capture, after the adoption."""
+    if not config.reclaim_weight_memory:
+        return
+    if engine_args.get("startup_weight_load_mode") == "overlap":
+        raise ValueError("SglPool: reclaim_weight_memory=True with startup_weight_load_mode='overlap' is not "
+                         "supported: the weights are adopted right after load_model, which returns placeholders in "
+                         "that mode (docs/kv_reclaim.md)")
+    if engine_args.get("enable_memory_saver"):
+        raise ValueError("SglPool: reclaim_weight_memory=True with engine_args['enable_memory_saver']=True is not "
+                         "supported: the weights and KV are adopted into the reclaiming mapper's ranges, which "
+                         "SGLang's memory saver does not manage, so release_memory_occupation would free none of "
+                         "them; turn one of the two off (docs/kv_reclaim.md)")
+
+
 def pool_layouts(config: PatRolloutConfig) -> dict[int, Layout]:
     """The one layout per TP size an SglPool uses: contiguous groups in ascending rank order
     (`Layout.uniform`). SGLang builds a group from a rank list whose collectives run in sorted-rank order, so
@@ -87,15 +106,10 @@ def launch_pool_engine(config: PatRolloutConfig, layouts: dict[int, Layout], dev
     if config.reclaim_weight_memory:  # (#37) docs/kv_reclaim.md
         from pat_rollout.sglang.kv_room import RECLAIM_ENV
 
-        if device != "cpu":
-            # The adoption path runs on CUDA too (kv_room picks vmem.cuda.CudaMapper), but SGLang captured the base
-            # layout's CUDA graphs over the old addresses before the pool's first RPC; what remains is adopting
-            # inside SGLang's start-up (after load_model, before its capture) and a GPU run (docs/kv_reclaim.md).
-            raise NotImplementedError("reclaim_weight_memory on GPUs: SGLang captures the base layout's CUDA graphs "
-                                      "before the pool adopts the weights and KV into CudaMapper ranges; not wired "
-                                      "yet (docs/kv_reclaim.md)")
-
         env[RECLAIM_ENV] = "1"
+        # 0.5.23's post-capture KV sizing backs the KV pool after the graph capture (its own VMM): the adoption
+        # needs the KV pool allocated before the capture (kv_room refuses a post-capture pool as well)
+        env["SGLANG_ENABLE_POST_CAPTURE_KV_SIZING"] = "0"
     base = Layout.uniform(config.num_devices, config.initial_tp)
     env[POOL_ENV] = json.dumps({"base": [list(g) for g in base.groups],
                                 "layouts": {str(tp): [list(g) for g in lay.groups] for tp, lay in layouts.items()},
@@ -146,6 +160,7 @@ class SglPool(Pool):
         self.kv_cap = config.kv_handoff_cap()  # most KV bytes one rank receives in a switch (host memory)
         self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         args = {**config.engine_args, **server_overrides}
+        check_reclaim(config, args)
         if self.device == "cpu" and args.pop("enable_memory_saver", False):
             logger.info("SglPool on CPU: enable_memory_saver dropped (SGLang's memory saver needs CUDA)")
         self.memory_saver = bool(args.get("enable_memory_saver"))
@@ -175,7 +190,7 @@ class SglPool(Pool):
             raise ValueError(f"SglPool: the KV pool's page_size is {page_size} (engine_args['page_size'] or the "
                              f"attention backend's choice); the KV hand-off moves single-token slots, so it needs "
                              f"page_size=1: set engine_args['page_size']=1 or an attention backend with pages of 1")
-        # (#37) reclaim_weight_memory: adopt the storages before anything else records addresses (docs/kv_reclaim.md)
+        # (#37) reclaim_weight_memory: what SGLang's start-up adopted (kv_room.install_startup_hooks; docs/kv_reclaim.md)
         self.reclaim_start = self._rpc("pat_reclaim_start", path="") if config.reclaim_weight_memory else None
         self._rpc("pat_backup_base")
         self._backup_stale = False  # weights updated since the last host backup (end_weight_update takes one)

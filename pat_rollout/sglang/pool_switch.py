@@ -452,9 +452,10 @@ def pat_backup_base(self) -> None:
 
 
 def pat_reclaim_start(self, path: str) -> None:
-    """reclaim_weight_memory: adopt this rank's weight and KV storages into the mapper's ranges (`kv_room.
-    start_reclaim`; at pool start-up, base layout, empty pool) and report the mapping."""
-    kv_room.start_reclaim(self)
+    """reclaim_weight_memory: report what SGLang's start-up did (`kv_room.install_startup_hooks` adopted this rank's
+    weight and KV storages into the mapper's ranges, before the KV pool's allocation and the graph capture
+    respectively), with the start-up event sequence; a RuntimeError when it did not run."""
+    kv_room.started(self)
     _write(path, pool_hooks.STATE.rank, dict(reclaim=kv_room.reclaim_info(self)))
 
 

@@ -61,13 +61,14 @@ RPC_METHODS = {f.__name__: f for f in (pat_save_params, pat_check_inventory, pat
 def install() -> None:
     from sglang.srt.managers.scheduler import Scheduler
 
-    from pat_rollout.sglang import debug_hooks, layout_graphs, memory_spy, pool_hooks, pool_switch, rank_rpc
+    from pat_rollout.sglang import debug_hooks, kv_room, layout_graphs, memory_spy, pool_hooks, pool_switch, rank_rpc
 
     compat.apply_cpu_workarounds()
     for name, fn in {**RPC_METHODS, **pool_switch.RPC_METHODS, **memory_spy.RPC_METHODS}.items():
         setattr(Scheduler, name, rank_rpc.reporting(fn))  # each rank writes how it ended (SglPool._rpc)
     if pool_hooks.install():
         layout_graphs.install()  # tests only: PAT_SGLANG_FAKE_GRAPHS records the start-up capture too
+        kv_room.install_startup_hooks()  # reclaim_weight_memory: adopt after load_model / the KV pool's allocation
     debug_hooks.install()  # tests only: PAT_SGLANG_SAMPLED_LOG, PAT_SGLANG_STEP_LOG
     memory_spy.install()  # tests only: PAT_SGLANG_MEMORY_SPY
 

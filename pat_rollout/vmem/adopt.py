@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from pat_rollout.vmem.mapper import Mapper
-from pat_rollout.vmem.plan import ReclaimError, ReclaimPlan, align_up
+from pat_rollout.vmem.plan import ReclaimError, ReclaimPlan, WeightStorage, align_up
 
 
 def _bytes_of(storage):
@@ -31,16 +31,28 @@ def adopt(plan: ReclaimPlan, mapper: Mapper, view: Callable[[int, int], object],
     each keeps its offset, shape and strides). `kv[j]`: the untyped storage plan.kv[j] replaces;
     `repoint_kv(j, old_storage, new_storage)` re-points the caller's buffers (new_storage spans the whole reserved
     range; only its base is mapped); `kv[j]` is set to None once re-pointed (so the old storage can be freed before the
-next is copied). Returns weight page address -> handle (what `apply_switch` moves), as
-    `map_initial`."""
-    import torch
-
+    next is copied). Returns weight page address -> handle (what `apply_switch` moves), as `map_initial`.
+    `adopt_weights` then `adopt_kv` (the SGLang pool runs them apart: weights right after the model is loaded, KV
+    once SGLang allocated its pool)."""
     if len(params) != len(plan.weights) or len(kv) != len(plan.kv):
         raise ReclaimError(f"adopt: {len(params)} parameter groups / {len(kv)} KV storages for a plan of "
                            f"{len(plan.weights)} weight storages / {len(plan.kv)} KV regions")
-    g = plan.granule
+    handles = adopt_weights(plan.weights, plan.granule, mapper, view, params)
+    adopt_kv(plan, mapper, view, kv, repoint_kv)
+    return handles
+
+
+def adopt_weights(weights: Sequence[WeightStorage], granule: int, mapper: Mapper, view: Callable[[int, int], object],
+                  params: Sequence[Sequence[object]]) -> dict[int, int]:
+    """The weight half of `adopt`: each storage mapped one handle per granule at its reserved `start`, copied in and
+    its tensors re-pointed, the old storage dropped before the next. Returns weight page address -> handle."""
+    import torch
+
+    if len(params) != len(weights):
+        raise ReclaimError(f"adopt: {len(params)} parameter groups for {len(weights)} weight storages")
+    g = granule
     handles: dict[int, int] = {}
-    for w, group in zip(plan.weights, params):
+    for w, group in zip(weights, params):
         old = group[0].untyped_storage()
         if old.nbytes() != w.nbytes or any(p.untyped_storage().data_ptr() != old.data_ptr() for p in group):
             raise ReclaimError(f"adopt: weight {w.name}: the tensors do not share one storage of {w.nbytes} B")
@@ -60,6 +72,17 @@ next is copied). Returns weight page address -> handle (what `apply_switch` move
                     p.set_(sto, p.storage_offset(), p.shape, p.stride())
         del old, new, sto
         _give_back()
+    return handles
+
+
+def adopt_kv(plan: ReclaimPlan, mapper: Mapper, view: Callable[[int, int], object], kv: list,
+             repoint_kv: Callable[[int, object, object], None]) -> None:
+    """The KV half of `adopt`: each region's base mapped with one handle, the old storage copied in, re-pointed
+    through `repoint_kv` and dropped (`kv[j] = None`) before the next."""
+    import torch
+
+    if len(kv) != len(plan.kv):
+        raise ReclaimError(f"adopt: {len(kv)} KV storages for a plan of {len(plan.kv)} KV regions")
     for j, r in enumerate(plan.kv):
         old = kv[j]
         if old.nbytes() > r.base_bytes:
@@ -74,7 +97,6 @@ next is copied). Returns weight page address -> handle (what `apply_switch` move
         kv[j] = None
         del new, old
         _give_back()
-    return handles
 
 
 def _give_back() -> None:

@@ -1,8 +1,11 @@
 """reclaim_weight_memory on the SGLang pool (real SGLang, CPU, tiny Qwen3 with 2 KV heads; vmem.host.HostMapper:
 the CPU analogue of the CUDA driver's virtual memory, docs/kv_reclaim.md).
 
-At start-up every parameter and KV storage is adopted into ranges the rank's HostMapper reserved (each parameter's
-address lies in a weight range, each KV storage starts its KV range).
+Inside SGLang's start-up, in each scheduler process, every parameter storage is adopted into ranges the rank's
+HostMapper reserved right after `load_model` (before the KV pool is allocated) and every KV storage right after the
+KV pool's allocation, both before the start-up graph-capture seam (`kv_room.install_startup_hooks`; the recorded event
+sequence says so: each parameter's address lies in a weight range, each KV storage starts its KV range, from the
+capture seam on).
 
 A grow from 2 x TP1 to 1 x TP2 lends the half of every sharded weight storage the TP2 shard no longer uses (4 KiB
 granules here) to the KV storages: SGLang's limits become the planned room (base room + lent bytes, the capacity
@@ -71,6 +74,21 @@ def test_reclaiming_grow_admits_the_planned_room_and_the_shrink_recomputes_what_
             assert r["mapper_kv_mapped"] == [k[2] for k in r["kv_ranges"]]  # the base extent only
             assert r["mapper_weight_mapped"] == sum(n for _, n in r["weight_ranges"]) == r["physical_bytes"] - sum(
                 k[2] for k in r["kv_ranges"])
+        for r in start:  # the order inside SGLang's start-up, as each scheduler process recorded it
+            events = [e["event"] for e in r["events"]]
+            assert events[:6] == ["model_loaded", "weights_adopted", "kv_alloc_begin", "kv_allocated", "kv_adopted",
+                                  "capture"], events
+            ev = dict(zip(events[:6], r["events"][:6]))
+            kv_starts = sorted(k[0] for k in r["kv_ranges"])
+            assert ev["model_loaded"]["params_in_ranges"] is None  # nothing reserved yet
+            assert ev["weights_adopted"]["params_in_ranges"] is True
+            assert ev["kv_alloc_begin"]["params_in_ranges"] is True  # weights adopted before the KV pool exists
+            assert ev["kv_alloc_begin"]["kv_storage"] is None
+            assert ev["kv_allocated"]["kv_at_ranges"] is False  # SGLang's own allocation, outside the ranges
+            assert not set(ev["kv_allocated"]["kv_storage"]) & set(kv_starts)
+            for name in ("kv_adopted", "capture"):  # what a CUDA-graph capture would record
+                assert ev[name]["params_in_ranges"] is True and ev[name]["kv_at_ranges"] is True, name
+                assert ev[name]["kv_storage"] == kv_starts, name
         unswitched = _params(pool, tmp_path / "unswitched")
         sp = SamplingParams(max_new_tokens=MAX_NEW, ignore_eos=True)
         reqs = [Request(request_id=f"r{i}", sampling=sp,
@@ -128,3 +146,24 @@ def test_reclaiming_grow_admits_the_planned_room_and_the_shrink_recomputes_what_
             assert list(outs[r.request_id].token_ids) == ref_ids, r.request_id
     finally:
         pool.shutdown()
+
+
+@pytest.mark.parametrize("engine_args, error", [
+    ({"enable_memory_saver": True},
+     r"reclaim_weight_memory=True with engine_args\['enable_memory_saver'\]=True is not supported: .* memory saver "
+     r"does not manage"),
+    ({"startup_weight_load_mode": "overlap"},
+     r"reclaim_weight_memory=True with startup_weight_load_mode='overlap' is not supported"),
+], ids=["memory-saver", "overlapped-load"])
+def test_reclaiming_refuses_what_the_adoption_cannot_serve_before_anything_starts(tiny_models, engine_args, error):
+    """SGLang's memory saver would not release the adopted storages, and an overlapped weight load commits the real
+    weights after the adoption: refused before the engine launches (the memory saver on the CPU too, where the pool
+    otherwise drops enable_memory_saver)."""
+    from pat_rollout.layout import Layout
+    from pat_rollout.sglang.pool import SglPool, check_model
+
+    cfg = PatRolloutConfig(model_path=tiny_models["qwen3"], num_devices=2, backend="sglang", initial_tp=1,
+                           candidate_tps=(1, 2), policy="manual", dtype="float32", reclaim_weight_memory=True,
+                           engine_args=engine_args)
+    with pytest.raises(ValueError, match=error):
+        SglPool(cfg, check_model(cfg), Layout.uniform(2, 1), device="cpu")
