@@ -43,6 +43,8 @@ BOTH_VERSIONS: dict[str, str] = {
         "a hung rank's stack dump through the installed SGLang's process handling",
     "test_sglang_pool_faults.py::test_killed_scheduler_breaks_the_pool_and_fails_every_request":
         "a killed scheduler: SGLang's SIGQUIT path (0.5.23 adds a subprocess watchdog)",
+    "test_sglang_pool_reclaim.py": "compat.startup_load_and_kv_methods: the KV seam the adoption follows (0.5.23 "
+        "alloc_memory_pool, 0.5.12 init_memory_pool) and the start-up order it asserts",
     "test_sglang_pool_sampled.py::test_seeded_sampling_survives_switches[llama-migrate]":
         "strict xfail on SGLang's own seed handling (sampling_seed), per version",
     "test_sglang_pool_unseeded.py::test_unseeded_sampling_tp2_ranks_agree[llama-migrate-0]":

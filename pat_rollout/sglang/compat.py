@@ -206,6 +206,12 @@ def startup_capture_method() -> tuple[type, str]:
     return ModelRunner, "init_cuda_graphs" if hasattr(ModelRunner, "init_cuda_graphs") else "init_device_graphs"
 
 
+def input_sockets(scheduler) -> list:
+    """Rank 0's zmq sockets SGLang reads requests from (tokenizer, RPC): 0.5.23 keeps them in `ipc_channels`."""
+    ch = getattr(scheduler, "ipc_channels", scheduler)
+    return [ch.recv_from_tokenizer, ch.recv_from_rpc]
+
+
 def startup_load_and_kv_methods() -> tuple[tuple[type, str], tuple[type, str]]:
     """The ModelRunner methods that load the model and allocate the KV pool at start-up (reclaim_weight_memory adopts
     the weights after the first and the KV storages after the second, both before `startup_capture_method`).

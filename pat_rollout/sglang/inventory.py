@@ -95,6 +95,8 @@ STATIC: tuple[Need, ...] = (
        "sglang.srt.managers.scheduler_components.new_token_ratio_tracker:NewTokenRatioTracker.reset",
        f"{SCHED}:Scheduler.on_idle"),
     _n("compat.reset_admission_state", "sglang.srt.managers.schedule_batch:ScheduleBatch.batch_is_full"),
+    _n("pool_hooks._install_idle_sleep (patched: called when the rank is fully idle)",
+       f"{SCHED}:Scheduler.maybe_sleep_on_idle"),
     _n("replica_input.open_sockets", "sglang.srt.server_args:PortArgs.scheduler_input_ipc_name"),
     _n("compat.build_methods (patched: built under the base layout)",
        f"{SCHED}:Scheduler.init_memory_pools + {SCHED}:Scheduler.init_tp_model_worker + "
@@ -188,6 +190,9 @@ SCHEDULER: tuple[Need, ...] = (
     _n("pool_switch._drain: the overlap loop's queued result", "scheduler:enable_overlap"),
     _n("pool_switch._reseed: the engine's seed", "scheduler:server_args.random_seed"),
     _n("compat.weights_region: reshard/restore allocations", f"{_RUNNER}.memory_saver_adapter.region"),
+    _n("compat.input_sockets: rank 0's request sockets (idle sleep)",
+       "scheduler:ipc_channels.recv_from_tokenizer + scheduler:ipc_channels.recv_from_rpc",
+       "scheduler:recv_from_tokenizer + scheduler:recv_from_rpc"),
     _n("compat.install_output_sockets", "scheduler:ipc_channels.send_to_detokenizer",
        "scheduler:send_to_detokenizer + scheduler:send_to_tokenizer"),
     _n("pool_hooks._build_groups, pool_switch._transport: the WORLD group", " + ".join(

@@ -173,6 +173,16 @@ def _install_input_path() -> None:
                                  lambda reqs: replica_input.send_to_other_leaders(STATE, reqs))
 
 
+def _install_idle_sleep() -> None:
+    """An idle rank sleeps until its input arrives instead of spinning (replica_input.sleep_until_input)."""
+    from sglang.srt.managers.scheduler import Scheduler
+
+    def maybe_sleep_on_idle(self) -> None:
+        replica_input.sleep_until_input(STATE, lambda: compat.input_sockets(self))
+
+    Scheduler.maybe_sleep_on_idle = maybe_sleep_on_idle
+
+
 def _install_build_and_forward() -> None:
     from sglang.srt.managers.tp_worker import TpModelWorker
 
@@ -220,6 +230,7 @@ def install() -> bool:
         _register_stack_dump(cfg["stack_dir"])
     _install_output_path()
     _install_input_path()
+    _install_idle_sleep()
     _install_build_and_forward()
     return True
 

@@ -41,7 +41,7 @@ from pat_rollout.layout.layout import Layout
 from pat_rollout.layout.shard import kv_heads_for_rank
 from pat_rollout.layout.transition import plan_weights
 from pat_rollout.reshard.apply import copy_into_storage, reshard_local
-from pat_rollout.sglang import compat, kv_room, layout_graphs, pool_hooks, rank_rpc
+from pat_rollout.sglang import compat, kv_room, layout_graphs, pool_hooks, rank_rpc, replica_input
 from pat_rollout.sglang.live_model import _hf_config_dict, rebuild_model_for_current_tp, sglang_specs
 from pat_rollout.types import ModelSpec
 
@@ -485,7 +485,8 @@ def pat_pool_info(self, path: str) -> None:
         model_id=id(model), num_running=running, backups=st.backups, num_waiting=len(self.waiting_queue),
         admission=compat.admission_state(self), attention_id=id(self.tp_worker.model_runner.attn_backend),
         graphs=dict(on=layout_graphs.enabled(self), current=layout_graphs.describe(compat.graph_runner(
-            self.tp_worker.model_runner)), layouts=sorted(st.graphs)), reclaim=kv_room.reclaim_info(self)))
+            self.tp_worker.model_runner)), layouts=sorted(st.graphs)), reclaim=kv_room.reclaim_info(self),
+        idle=dict(replica_input.IDLE_STATS)))
 
 
 def _write(path: str, rank: int, obj: dict) -> None:

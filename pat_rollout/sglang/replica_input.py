@@ -20,6 +20,7 @@ loops run independently. A request for a replica other than rank 0's reaches it 
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -117,6 +118,39 @@ def leader_share(st, pull_raw: Callable[[], list[Any] | None]) -> list[Any] | No
                                f"{len(got)} requests: {[type(r).__name__ for r in got]}")
         return None
     return got
+
+
+IDLE_POLL_MS = 100  # longest idle sleep between SGLang's idle housekeeping rounds; input wakes a rank at once
+_idle_poller = None
+IDLE_STATS = {"sleeps": 0, "slept_s": 0.0}  # this rank's idle sleeps so far (pat_pool_info reports them)
+
+
+def sleep_until_input(st, sglang_sockets: Callable[[], list[Any]]) -> None:
+    """`Scheduler.maybe_sleep_on_idle` of a pool rank (SGLang calls it only when the rank is fully idle): a rank that
+    reads requests itself blocks until one arrives, at most IDLE_POLL_MS, instead of spinning a core. Rank 0 waits on
+    SGLang's own sockets (`sglang_sockets()`: tokenizer and RPC), another replica leader on its pull socket, which
+    carries everything rank 0 routes to it (requests, aborts, RPCs). A rank that follows its leader returns at once:
+    it waits in its replica's broadcast, and its role changes with the layout (rank 1 leads in 2 x TP1, follows in
+    1 x TP2), so the check is made at every call. Rank 0 holding requests read after an RPC does not sleep: they are
+    routed at its next iteration. SGLang's own `sleep_on_idle` watches only rank 0's sockets, hence refused.
+    Why it matters: an idle spinning rank takes a whole core from the driver, the trainer and the other ranks (on
+    this 2-core CI machine, from the test that waits on it)."""
+    global _idle_poller
+    import zmq
+
+    if st.rank == 0:
+        if _held:
+            return
+    elif not (st.per_replica_input and st.is_leader):
+        return
+    if _idle_poller is None:
+        _idle_poller = zmq.Poller()
+        for sock in (sglang_sockets() if st.rank == 0 else [_pull_sock]):
+            _idle_poller.register(sock, zmq.POLLIN)
+    t0 = time.perf_counter()
+    _idle_poller.poll(IDLE_POLL_MS)
+    IDLE_STATS["sleeps"] += 1
+    IDLE_STATS["slept_s"] += time.perf_counter() - t0
 
 
 def send_to_other_leaders(st, reqs: list[Any]) -> None:

@@ -7,10 +7,12 @@ shrink assembles in a temporary and copies back) and the KV room re-views the sa
 tensors start at the base layout's addresses; the module tree built for a layout (its buffers: rotary caches) is
 kept and reused each time the pool enters it (`pool_switch._rebuild`). Checked here through grow, shrink, a weight update, a failed switch
 and its rollback; greedy outputs then still equal HF (the values are right, not only the addresses). Graphs
-themselves need a GPU (not run here).
+themselves need a GPU (not run here). Also here: idle ranks sleep instead of spinning, followers never.
 """
 
 from __future__ import annotations
+
+import time
 
 import pytest
 
@@ -25,6 +27,15 @@ pytestmark = [pytest.mark.sglang, pytest.mark.slow]
 def _addresses(pool) -> list[tuple[dict[str, int], list]]:
     """Per rank: parameter addresses and KV storage addresses."""
     return [(i["param_ptrs"], i["kv_storage"]) for i in pool.info()]
+
+
+def _idle_window(pool, seconds: float = 1.0) -> tuple[list[float], float]:
+    """Seconds each rank spent in its idle sleep while the test slept `seconds` (between two info RPCs: each rank's
+    window between them holds the whole sleep), and `seconds`."""
+    before = [i["idle"]["slept_s"] for i in pool.info()]
+    time.sleep(seconds)
+    after = [i["idle"]["slept_s"] for i in pool.info()]
+    return [a - b for a, b in zip(after, before)], seconds
 
 
 def _models(pool) -> list[int]:
@@ -49,7 +60,13 @@ def test_addresses_hold_through_switches_weight_update_and_rollback(tiny_models,
     pool = SglPool(cfg, check_model(cfg), Layout.uniform(2, 1), device="cpu")
     try:
         base, base_shapes, base_models = _addresses(pool), _shapes(pool), _models(pool)
+        # idle ranks sleep until input arrives (replica_input.sleep_until_input): in 2 x TP1 both lead and sleep
+        # through most of an idle second; a spinning rank would not sleep at all
+        slept, wall = _idle_window(pool)
+        assert all(s > 0.5 * wall for s in slept), (slept, wall)
         pool.reconfigure(2, {})
+        slept, wall = _idle_window(pool)  # 1 x TP2: rank 0 leads and sleeps, rank 1 waits in its broadcast
+        assert slept[0] > 0.5 * wall and slept[1] == 0, (slept, wall)
         grown_shapes, grown_models = _shapes(pool), _models(pool)
         assert grown_shapes != base_shapes  # really resharded
         assert _addresses(pool) == base  # every TP2 shard starts where its TP1 tensor did
