@@ -79,10 +79,39 @@ def engine_args(config: PatRolloutConfig, spec: ModelSpec, **overrides: Any) -> 
     kw: dict[str, Any] = dict(model=config.model_path, dtype=config.dtype, seed=config.seed, enforce_eager=True,
                               skip_tokenizer_init=True, max_num_seqs=config.max_num_seqs,
                               max_model_len=spec.max_position_embeddings, distributed_executor_backend="mp",
-                              worker_extension_cls="pat_rollout.vllm.worker_ext.PatWorkerExtension")
+                              worker_extension_cls="pat_rollout.vllm.worker_ext.PatWorkerExtension",
+                              kv_transfer_config=dict(kv_connector="PatKVConnector", kv_role="kv_consumer",
+                                                      kv_connector_module_path="pat_rollout.vllm.kv_connector"))
     kw.update(config.engine_args)
     kw.update(overrides)
     return kw
+
+
+def kv_manifest(request_id: str, files: list[dict[str, Any]], src_group: tuple[int, ...],
+                dst_group: tuple[int, ...], num_kv_heads: int) -> dict[str, Any]:
+    """The manifest `kv_connector.PatKVConnector` loads a migrated request's KV from: `files[k]` is what old rank k
+    wrote (`PatWorkerExtension.pat_save_kv`: path, [blocks, its KV heads, ...], dtype); `kv.plan_kv` says which KV
+    heads each new rank holds and which old rank has them (TP1 -> TP2: new rank h takes head h of the one file;
+    TP2 -> TP1: the rank takes both files' heads). Per new rank: [{path, shape, dtype, src: [a, b] heads of that
+    file, dst: first head of this rank's}]; "tokens": the migrated tokens, "bytes": what the new ranks read."""
+    from pat_rollout.kv.plan import plan_kv
+    from pat_rollout.layout.shard import kv_heads_for_rank
+
+    tokens = {f["tokens"] for f in files}
+    if len(tokens) != 1:
+        raise RuntimeError(f"request {request_id!r}: the old ranks wrote different token counts {sorted(tokens)}")
+    n = tokens.pop()
+    ranks: list[list[dict[str, Any]]] = [[] for _ in dst_group]
+    nbytes = 0
+    for t in plan_kv([(request_id, src_group, dst_group, n)], num_kv_heads).transfers:
+        i, k = src_group.index(t.src_device), dst_group.index(t.dst_device)
+        a = t.kv_heads[0] - kv_heads_for_rank(num_kv_heads, i, len(src_group))[0]
+        c = t.kv_heads[0] - kv_heads_for_rank(num_kv_heads, k, len(dst_group))[0]
+        f = files[i]
+        ranks[k].append({"path": f["path"], "shape": f["shape"], "dtype": f["dtype"], "src": [a, a + t.num_heads],
+                         "dst": c})
+        nbytes += f["bytes"] * t.num_heads // f["shape"][1]
+    return {"tokens": n, "layers": files[0]["layers"], "ranks": ranks, "bytes": nbytes}
 
 
 class VllmPool(Pool):
@@ -105,6 +134,8 @@ class VllmPool(Pool):
         self.replicas: list[Any] = []
         self.switches = 0
         self.fault: tuple[str, float] | None = None  # test hook (`fail_next`): (phase, seconds to hang first)
+        self.held: list[RequestOutput] = []  # finished during a switch's KV import, not yet returned by `step`
+        self.last_cached_tokens: dict[str, int] = {}  # the last switch: request -> tokens its new engine did not compute
         self.pending: dict[str, Any] = {}  # HF name -> CPU tensor: updates not yet in the engines
         self.weights_dir: str | None = None  # the pool's own checkpoint with every update so far (engines load it)
         t0 = time.perf_counter()
@@ -175,6 +206,7 @@ class VllmPool(Pool):
         self._flush_weights()
         out: dict[int, tuple[StepResult, EngineSnapshot]] = {}
         for r in replicas:
+            held, self.held = self.held, []  # finished during the last switch's KV import: reported once, here
             rep = self.replicas[r]
             t0 = time.perf_counter()
             work = sum(len(t.request.prompt_token_ids) + len(t.token_ids) for t in rep.tracked.values())
@@ -186,7 +218,7 @@ class VllmPool(Pool):
             except Exception as e:  # vLLM's EngineDeadError: an engine-core or worker process died
                 raise WorkerError(f"VllmPool decode step on replica {r} (devices {list(rep.devices)}): {e!r}",
                                   list(rep.devices), unresponsive=True) from e
-            out[r] = (StepResult(finished=tuple(finished), num_steps=num_steps, num_decode_tokens=decoded,
+            out[r] = (StepResult(finished=tuple(held + finished), num_steps=num_steps, num_decode_tokens=decoded,
                                  num_prefill_tokens=0, num_running=len(rep.tracked), num_waiting=0,
                                  elapsed_s=time.perf_counter() - t0), self._snapshot(rep))
         return out
@@ -201,7 +233,8 @@ class VllmPool(Pool):
                               num_free_blocks=max(0, rep.num_blocks - used), block_size=rep.block_size)
 
     def abort_all(self) -> list[RequestOutput]:
-        return [t.output("abort") for rep in self.replicas for t in rep.export()]
+        held, self.held = self.held, []
+        return held + [t.output("abort") for rep in self.replicas for t in rep.export()]
 
     # ---- reconfiguration -------------------------------------------------------------------------
     def layout_for(self, tp: int) -> Layout:
@@ -211,12 +244,14 @@ class VllmPool(Pool):
         return Layout.uniform(self.num_devices, tp)
 
     # Phases of a switch, in order; `fail_next` injects a fault into one (tests).
-    PHASES = ("export", "stop", "start", "import")
+    PHASES = ("export", "stop", "start", "import", "kv_import")
 
     def fail_next(self, phase: str, hang_s: float = 0.0) -> None:
         """Test hook: the next switch raises in `phase` (one of PHASES), after hanging `hang_s` seconds if given.
         export and stop fail after the first replica's export / stop (some done, some not), start when the new
-        layout's last engine starts (the others started), import after the first request was resubmitted."""
+        layout's last engine starts (the others started), import after the first request was resubmitted, kv_import
+        with a real fault: the first migrated request's KV files are deleted before the new engine loads them (its
+        worker's load raises and the engine dies; a switch migrating nothing does not fail)."""
         if phase not in self.PHASES:
             raise ValueError(f"unknown switch phase {phase!r}; one of {self.PHASES}")
         self.fault = (phase, hang_s)
@@ -231,11 +266,15 @@ class VllmPool(Pool):
         raise RuntimeError(f"injected failure in VllmPool switch phase {phase!r} {where}")
 
     def reconfigure(self, dst_tp: int, assignment: dict[str, int]) -> ReconfigResult:
-        """Export every unfinished request (exact tokens so far), stop the old layout's engines, start the new
-        layout's, resubmit every request there (recomputation). A failure in any phase rolls back to the old
-        layout (`_roll_back`: its engines that still run are kept, the stopped ones start again, every request
-        goes back to its replica) and raises ReconfigurationError naming the phase; a failed rollback is
-        PoolBrokenError."""
+        """Export every unfinished request (exact tokens so far; for the requests the cost model migrates, their KV
+        per old rank first, `_save_kv`), stop the old layout's engines, start the new layout's, resubmit every
+        request there (migrated ones with their KV manifest, the rest recomputed), then step the new engines until
+        every migrated request has loaded its KV and produced a token (`kv_import`). A failure in any phase rolls
+        back to the old layout (`_roll_back`: its engines that still run are kept, the stopped ones start again,
+        every request goes back to its replica, recomputed) and raises ReconfigurationError naming the phase; a
+        failed rollback is PoolBrokenError."""
+        import shutil
+
         t_start = time.perf_counter()
         src, dst = self.layout, self.layout_for(dst_tp)
         self._flush_weights()  # the new engines start from the pool's checkpoint
@@ -243,12 +282,22 @@ class VllmPool(Pool):
         self.switches += 1
         old = list(self.replicas)  # src's engines, by replica index
         exported: list[tuple[int, Any]] = []  # (replica of src, tracked request)
+        kv_dir = self._kv_dir()
         phase = "export"
         try:
             t = time.perf_counter()
+            on = {rid: rep.index for rep in old for rid in rep.tracked}
+            states = [tr.state() for rep in old for tr in rep.tracked.values()]
+            new_assign = balance_states(states, dst.num_replicas)
+            chosen = self._choose_migrations(states, dst, new_assign)
+            saved: dict[str, list[Any]] = {}  # request id -> per old rank: its file's description
             for rep in old:
+                saved.update(self._save_kv(rep, [s for s in states if s.request_id in chosen
+                                                 and on[s.request_id] == rep.index], kv_dir))
                 exported += [(rep.index, tr) for tr in rep.export()]
                 self._maybe_fail("export", f"after exporting replica {rep.index}")
+            manifests = {rid: kv_manifest(rid, files, src.groups[on[rid]], dst.groups[new_assign[rid]],
+                                          self.spec.num_kv_heads) for rid, files in saved.items()}
             result.phase_s["export"] = time.perf_counter() - t
             phase, t = "stop", time.perf_counter()
             for rep in old:
@@ -256,28 +305,103 @@ class VllmPool(Pool):
                 self._maybe_fail("stop", f"after stopping replica {rep.index}")
             self.replicas = []
             result.phase_s["stop"] = time.perf_counter() - t
-            states = [tr.state() for _, tr in exported]
-            new_assign = balance_states(states, dst.num_replicas)
             phase, t = "start", time.perf_counter()
             self.replicas = self._start(dst)
             self.layout = dst
             result.phase_s["start"] = time.perf_counter() - t
             phase, t = "import", time.perf_counter()
             for n, (_, tr) in enumerate(exported):
-                self.replicas[new_assign[tr.request.request_id]].resume(tr)
+                rid = tr.request.request_id
+                self.replicas[new_assign[rid]].resume(tr, manifests.get(rid))
                 if n == 0:
-                    self._maybe_fail("import", f"after resubmitting request {tr.request.request_id!r}")
+                    self._maybe_fail("import", f"after resubmitting request {rid!r}")
             result.phase_s["import"] = time.perf_counter() - t
+            phase, t = "kv_import", time.perf_counter()
+            if self.fault is not None and self.fault[0] == "kv_import" and manifests:
+                self.fault = None  # a real fault: the first migrated request's KV files vanish before the load
+                for f in next(iter(manifests.values()))["ranks"][0]:
+                    os.unlink(f["path"])
+            self._import_kv({rid: new_assign[rid] for rid in manifests})
+            result.phase_s["kv_import"] = time.perf_counter() - t
         except Exception as e:
             err = self._roll_back(src, old, exported, f"vLLM switch {src} -> TP{dst_tp}", phase, e)
             err.assignment = {rid: r for rid, r in err.assignment.items() if rid in assignment}
             raise err from e
+        finally:
+            shutil.rmtree(kv_dir, ignore_errors=True)
         result.assignment = {rid: new_assign[rid] for rid in assignment if rid in new_assign}
-        result.recomputed = tuple(s.request_id for s in states)
+        cached = {rid: c for rep in self.replicas for rid, c in rep.cached_tokens.items()}
+        # migrated: the new engine reported the migrated tokens as not computed (vLLM's num_cached_tokens)
+        result.migrated = tuple(rid for rid, m in manifests.items() if cached.get(rid, 0) >= m["tokens"])
+        result.import_fallbacks = tuple(rid for rid in manifests if rid not in result.migrated)
+        result.recomputed = tuple(s.request_id for s in states if s.request_id not in result.migrated
+                                  and s.request_id in new_assign)
+        result.kv_bytes_received = sum(m["bytes"] for rid, m in manifests.items() if rid in result.migrated)
+        self.last_cached_tokens = cached
         result.total_s = time.perf_counter() - t_start
-        logger.info("vLLM pool %s -> %s in %.3f s: %s; %d recomputed", src, dst, result.total_s,
-                    {k: round(v, 4) for k, v in result.phase_s.items()}, len(result.recomputed))
+        logger.info("vLLM pool %s -> %s in %.3f s: %s; %d migrated, %d recomputed", src, dst, result.total_s,
+                    {k: round(v, 4) for k, v in result.phase_s.items()}, len(result.migrated), len(result.recomputed))
         return result
+
+    def _kv_dir(self) -> str:
+        """A switch's folder for the migrated KV (host memory: /dev/shm where there is one); removed at its end."""
+        import tempfile
+
+        return tempfile.mkdtemp(prefix="pat-vllm-kv-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+
+    def _choose_migrations(self, states: list[Any], dst: Layout, new_assign: dict[str, int]) -> set[str]:
+        """The requests whose KV is migrated: the cost model's choice (`kv.cost` through
+        `workers.reconfigure.handoff_method`, the rule every pool uses; `config.kv_handoff` forces one), over the
+        tokens with KV (context - 1), then bounded by `config.kv_handoff_cap()` bytes per receiving device
+        (`limit_by_memory`). kv_handoff="auto" without measured constants (cost None) recomputes."""
+        from pat_rollout.config import DTYPE_BYTES
+        from pat_rollout.workers.reconfigure import handoff_method, limit_by_memory
+
+        mode, dtype_bytes = self.config.kv_handoff, DTYPE_BYTES[self.config.dtype]
+        if mode == "auto" and self.cost is None:
+            return set()
+        picked = [s for s in states if s.num_tokens > 1 and handoff_method(
+            mode, self.cost, self.spec, dtype_bytes, s.num_tokens - 1, dst.tp_size) == "migrate"]
+        picked, _ = limit_by_memory(picked, lambda s: s.num_tokens - 1,
+                                    {s.request_id: dst.groups[new_assign[s.request_id]] for s in picked},
+                                    lambda tp: self.spec.kv_bytes_per_token(tp, dtype_bytes),
+                                    self.config.kv_handoff_cap())
+        return {s.request_id for s in picked}
+
+    def _save_kv(self, rep: Any, states: list[Any], kv_dir: str) -> dict[str, list[Any]]:
+        """Every rank of old replica `rep` writes the KV of each of `states` (all tokens but the last) to a file of
+        `kv_dir`, one request and one layer at a time (`PatWorkerExtension.pat_save_kv`). A request a rank no longer
+        holds (finished in the engine core after the pool's last read) is left out: it is recomputed."""
+        out: dict[str, list[Any]] = {}
+        for i, s in enumerate(states):
+            path = os.path.join(kv_dir, f"r{rep.index}-{i}")
+            files = rep.save_kv(s.request_id, path, s.num_tokens - 1, self.config.rpc_deadline_s(s.num_tokens))
+            if all(f is not None for f in files):
+                out[s.request_id] = files
+            else:
+                logger.info("vLLM switch: request %r is no longer on replica %d's workers: recomputed",
+                            s.request_id, rep.index)
+        return out
+
+    def _import_kv(self, where: dict[str, int]) -> None:
+        """Step the new replicas that received migrated requests (`where`: request id -> replica) until each of
+        those has its first output there: its KV loaded by the engine's connector and its last token prefilled, so
+        a failed load fails the switch (phase kv_import) rather than a later step. Requests finishing meanwhile are
+        held and reported by the next `step`."""
+        for r in sorted(set(where.values())):
+            rep = self.replicas[r]
+            want = {rid for rid, rr in where.items() if rr == r}
+            rounds = sum(t.request.sampling.max_new_tokens for t in rep.tracked.values()) + 1
+            while want - rep.cached_tokens.keys() and rep.busy() and rounds > 0:
+                work = sum(len(t.request.prompt_token_ids) + len(t.token_ids) for t in rep.tracked.values())
+                try:
+                    finished, _ = rep.step(1, self.config.rpc_deadline_s(work))
+                except TimeoutError as e:  # replica.EngineTimeout
+                    raise WorkerError(f"VllmPool KV import: {e}", list(rep.devices), unresponsive=True) from e
+                self.held += finished
+                rounds -= 1
+            if missing := want - rep.cached_tokens.keys():
+                raise RuntimeError(f"replica {r}: migrated requests {sorted(missing)} produced no output")
 
     def _roll_back(self, src: Layout, old: list[Any], exported: list[tuple[int, Any]], what: str, phase: str,
                    cause: Exception) -> ReconfigurationError:
@@ -299,8 +423,10 @@ class VllmPool(Pool):
                 replicas.append(self._new_replica(rep.index, src.groups[rep.index]))
             self.replicas, self.layout = replicas, src
             self.kv_tokens = min(rep.kv_tokens for rep in replicas)
+            held = {o.request_id for o in self.held}  # finished on the new layout during its KV import
             for r, tr in exported:
-                self.replicas[r].resume(tr)
+                if tr.request.request_id not in held:
+                    self.replicas[r].resume(tr)
         except Exception as e2:
             for rep in self.replicas:
                 try:

@@ -78,17 +78,19 @@ def patched_environ(env: dict[str, str]) -> Iterator[None]:
                 os.environ[k] = v
 
 
-def vllm_sampling(sp: SamplingParams, max_tokens: int, eos_token_ids: Sequence[int]) -> Any:
+def vllm_sampling(sp: SamplingParams, max_tokens: int, eos_token_ids: Sequence[int],
+                  kv: dict[str, Any] | None = None) -> Any:
     """vLLM SamplingParams for ours: the sampled token's log-prob (`logprobs=0`, raw model log-probs), no
     detokenization (token ids in and out). EOS comes from the checkpoint's config (the engine runs without a
-    tokenizer), as stop token ids unless `ignore_eos`. A seed is passed only when non-zero: vLLM then samples from
+    tokenizer), as stop token ids unless `ignore_eos`. `kv`: a migrated request's KV manifest, for the engine's
+    `kv_connector.PatKVConnector` (`kv_transfer_params`). A seed is passed only when non-zero: vLLM then samples from
     a per-request generator seeded at admission (not reproducible across a resubmission; see README)."""
     from vllm import SamplingParams as VSP
 
     stop = tuple(sp.stop_token_ids) + (() if sp.ignore_eos else tuple(eos_token_ids))
     return VSP(max_tokens=max_tokens, temperature=sp.temperature, top_p=sp.top_p, top_k=sp.top_k,
                seed=sp.seed or None, stop_token_ids=list(dict.fromkeys(stop)), ignore_eos=sp.ignore_eos,
-               logprobs=0, detokenize=False)
+               logprobs=0, detokenize=False, extra_args={"kv_transfer_params": {"pat_kv": kv}} if kv else None)
 
 
 class VllmReplica:
@@ -102,7 +104,12 @@ class VllmReplica:
         self.index, self.devices = index, tuple(devices)
         self.eos_token_ids = tuple(eos_token_ids)
         t0 = time.perf_counter()
-        args = EngineArgs(tensor_parallel_size=len(self.devices), **engine_args)
+        kw = dict(engine_args)
+        if isinstance(kw.get("kv_transfer_config"), dict):
+            from vllm.config import KVTransferConfig
+
+            kw["kv_transfer_config"] = KVTransferConfig(**kw["kv_transfer_config"])
+        args = EngineArgs(tensor_parallel_size=len(self.devices), **kw)
         with patched_environ(env):
             self.engine = LLMEngine.from_engine_args(args)
         self.startup_s = time.perf_counter() - t0
@@ -110,6 +117,9 @@ class VllmReplica:
         self.block_size = int(cache.block_size)
         self.num_blocks = int(cache.num_gpu_blocks or 0)
         self.tracked: dict[str, Tracked] = {}
+        # request id -> prompt tokens the engine did not compute at the request's (re)admission here (vLLM's
+        # num_cached_tokens: prefix-cache hits plus tokens a KV connector loaded), from its first output
+        self.cached_tokens: dict[str, int] = {}
 
     @property
     def kv_tokens(self) -> int:
@@ -119,9 +129,10 @@ class VllmReplica:
     def add(self, request: Request) -> None:
         self.resume(Tracked(request=request))
 
-    def resume(self, t: Tracked) -> None:
-        """Start `t` here: its prompt plus every token it produced so far is the new prompt (recomputation), with
-        the budget it has left."""
+    def resume(self, t: Tracked, kv: dict[str, Any] | None = None) -> None:
+        """Start `t` here: its prompt plus every token it produced so far is the new prompt, with the budget it has
+        left; without `kv` it is recomputed, with `kv` (a migrated request's manifest, `kv_connector`) the engine
+        loads the KV of all but the last token and prefills only that one."""
         from vllm.inputs import TokensPrompt
 
         rid = t.request.request_id
@@ -132,8 +143,9 @@ class VllmReplica:
                              f"{t.request.sampling.max_new_tokens})")
         t.prefix_ids, t.prefix_lps, t.new_ids, t.new_lps = t.token_ids, t.log_probs, [], []
         self.engine.add_request(rid, TokensPrompt(prompt_token_ids=ids),
-                                vllm_sampling(t.request.sampling, left, self.eos_token_ids))
+                                vllm_sampling(t.request.sampling, left, self.eos_token_ids, kv))
         self.tracked[rid] = t
+        self.cached_tokens.pop(rid, None)
 
     def busy(self) -> bool:
         return bool(self.tracked)
@@ -153,6 +165,8 @@ class VllmReplica:
                 if t is None:  # aborted here meanwhile
                     continue
                 c = o.outputs[0]
+                if o.request_id not in self.cached_tokens:
+                    self.cached_tokens[o.request_id] = int(o.num_cached_tokens or 0)
                 n_before = len(t.new_ids)
                 t.new_ids = list(c.token_ids)
                 t.new_lps = [next(iter(d.values())).logprob if d else float("nan") for d in (c.logprobs or [])]
@@ -197,6 +211,11 @@ class VllmReplica:
         (`worker_ext.PatWorkerExtension.pat_token_ids`)."""
         return self.engine.collective_rpc("pat_token_ids")
 
+    def save_kv(self, request_id: str, path: str, num_tokens: int, timeout_s: float) -> list[dict[str, Any] | None]:
+        """Per TP rank (index = rank): write the KV of the first `num_tokens` tokens of `request_id` to
+        `path`.rank<r> (`PatWorkerExtension.pat_save_kv`); None where the rank no longer holds it."""
+        return self.engine.collective_rpc("pat_save_kv", timeout=timeout_s, args=(request_id, path, num_tokens))
+
     def kv_blocks(self, request_id: str) -> list[dict[str, Any]]:
         """Per TP rank of this replica (index = rank): every KV block of `request_id` as the rank stores it, per
         attention layer ("0", "1", ...) [blocks, this rank's KV heads, ...] (`PatWorkerExtension.pat_read_kv_blocks`;
@@ -219,6 +238,7 @@ class VllmReplica:
 
     def shutdown(self) -> None:
         self.tracked.clear()
+        self.cached_tokens.clear()
         engine, self.engine = getattr(self, "engine", None), None
         if engine is not None:
             engine.engine_core.shutdown()

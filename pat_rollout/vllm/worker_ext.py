@@ -10,9 +10,13 @@ workers only.
 
 from __future__ import annotations
 
+import logging
+import os
 from typing import Any
 
 import torch
+
+logger = logging.getLogger(__name__)
 
 
 class PatWorkerExtension:
@@ -30,17 +34,59 @@ class PatWorkerExtension:
         return {rid: batch.token_ids_cpu[i, :int(batch.num_tokens_no_spec[i])].tolist()
                 for i, rid in enumerate(batch.req_ids) if rid is not None}
 
+    def pat_save_kv(self, request_id: str, path: str, num_tokens: int) -> dict[str, Any] | None:
+        """The KV hand-off's export: write the first ceil(num_tokens / block_size) KV blocks of request
+        `request_id` as this rank stores them to `path` + ".rank<tp rank>", layer after layer, each layer's
+        [blocks, this rank's KV heads, ...] raw (the attention backend's packing; `kv_connector.block_head_view`).
+        Scratch: one request's layer at a time (a gather of its blocks on the device, then a host copy written out;
+        on a GPU that copy is a device -> host DMA into host memory, the bytes never pass gloo or the RPC path).
+        Returns the file's description for `kv_connector`'s manifest, or None when the request is not (or no longer)
+        on this worker or has fewer blocks (the pool recomputes it)."""
+        from vllm.distributed import get_tensor_model_parallel_rank
+
+        from pat_rollout.vllm.kv_connector import block_head_view
+
+        runner: Any = self.model_runner  # type: ignore[attr-defined]
+        state = _request_state(runner, request_id)
+        block_size = int(runner.cache_config.block_size)
+        n = -(-num_tokens // block_size)
+        if state is None or len(state.block_ids[0]) < n or n == 0:
+            return None
+        rank = get_tensor_model_parallel_rank()
+        heads = runner.model_config.get_num_kv_heads(runner.parallel_config)
+        num_blocks = runner.kv_cache_config.num_blocks
+        try:
+            views = [block_head_view(layer, num_blocks, heads) for layer in runner.kv_caches]
+        except NotImplementedError as e:  # a KV layout this hand-off does not know: recompute, never guess
+            logger.warning("pat_save_kv: %s; request %r is recomputed", e, request_id)
+            return None
+        blocks = torch.tensor(state.block_ids[0][:n], device=runner.kv_caches[0].device)
+        shape: list[int] = []
+        dtype = ""
+        with open(f"{path}.rank{rank}", "wb") as f:
+            for view in views:
+                part = view[blocks].to("cpu").contiguous()
+                shape, dtype = list(part.shape), str(part.dtype).removeprefix("torch.")
+                f.write(memoryview(part.view(torch.uint8).numpy()))
+        return {"path": f"{path}.rank{rank}", "rank": rank, "shape": shape, "dtype": dtype, "tokens": num_tokens,
+                "layers": len(runner.kv_caches), "bytes": os.path.getsize(f"{path}.rank{rank}")}
+
     def pat_read_kv_blocks(self, request_id: str) -> list[tuple[str, str, list[int], bytes]]:
         """Every KV block of request `request_id` (vLLM's id with or without its `-<suffix>`) as this rank stores
         it, per attention layer [blocks, kv_heads of this rank, ...] (the block interior is the attention
         backend's own packing), packed (`pack_tensors`)."""
         runner: Any = self.model_runner  # type: ignore[attr-defined]
-        state = runner.requests.get(request_id) or next(
-            (s for k, s in runner.requests.items() if k.rsplit("-", 1)[0] == request_id), None)
+        state = _request_state(runner, request_id)
         if state is None:
             raise KeyError(f"request {request_id!r} is not on this worker")
         blocks = torch.tensor(state.block_ids[0])
         return pack_tensors([(str(i), layer[blocks]) for i, layer in enumerate(runner.kv_caches)])
+
+
+def _request_state(runner: Any, request_id: str) -> Any:
+    """The model runner's CachedRequestState of `request_id` (vLLM's id with or without its `-<suffix>`), or None."""
+    return runner.requests.get(request_id) or next(
+        (s for k, s in runner.requests.items() if k.rsplit("-", 1)[0] == request_id), None)
 
 
 def pack_tensors(named: list[tuple[str, torch.Tensor]]) -> list[tuple[str, str, list[int], bytes]]:

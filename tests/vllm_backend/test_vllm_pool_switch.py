@@ -21,6 +21,7 @@ from hf_reference import hf_greedy  # noqa: E402
 
 from pat_rollout.config import PatRolloutConfig  # noqa: E402
 from pat_rollout.driver.errors import ReconfigurationError, WorkerError  # noqa: E402
+from pat_rollout.kv.cost import HandoffCost  # noqa: E402
 from pat_rollout.layout import Layout  # noqa: E402
 from pat_rollout.types import Request, SamplingParams  # noqa: E402
 
@@ -28,6 +29,36 @@ pytestmark = [pytest.mark.slow]
 
 LOGPROB_ATOL = 1e-4
 MAX_NEW = 24
+LONG = 400  # a request that is still running in the engine core when the test reads its KV blocks
+# The hand-off cost model (kv.cost, shared with every pool) with constants that split this test's requests: a
+# migration costs 1 s whatever its size (a free link), a recomputation 1 s per 12 tokens, so a request with more
+# than 12 tokens of KV (context - 1) is migrated and a shorter one recomputed: every switch below does both.
+COST = HandoffCost(link_bytes_per_s=1e18, per_transfer_latency_s=1.0, prefill_tokens_per_s=((1, 12.0), (2, 12.0)))
+
+
+def _expected_handoff(pool, contexts: dict[str, int], dst_tp: int) -> tuple[list[str], list[str]]:
+    """(migrated, recomputed) request ids as the shared cost model chooses them for these contexts."""
+    from pat_rollout.workers.reconfigure import handoff_method
+
+    pick = {rid: handoff_method("auto", COST, pool.spec, 4, n - 1, dst_tp) for rid, n in contexts.items()}
+    return sorted(r for r, m in pick.items() if m == "migrate"), sorted(r for r, m in pick.items() if m != "migrate")
+
+
+def _check_handoff(pool, res, contexts: dict[str, int], dst_tp: int) -> None:
+    """The switch migrated what the cost model chose and recomputed the rest, and the new engines computed none of
+    a migrated request's context but its last token: vLLM's num_cached_tokens (tokens its KV connector loaded, no
+    prefix-cache hit is possible with 128-token blocks) is context - 1 for each, 0 for a recomputed one."""
+    migrated, recomputed = _expected_handoff(pool, contexts, dst_tp)
+    assert migrated and recomputed, contexts  # both paths in every switch
+    assert sorted(res.migrated) == migrated and sorted(res.recomputed) == recomputed and not res.import_fallbacks
+    assert {rid: pool.last_cached_tokens[rid] for rid in migrated} == {rid: contexts[rid] - 1 for rid in migrated}
+    assert all(pool.last_cached_tokens.get(rid, 0) == 0 for rid in recomputed)
+    assert res.kv_bytes_received > 0
+
+
+def _contexts(pool) -> dict[str, int]:
+    return {rid: len(t.request.prompt_token_ids) + len(t.token_ids) for rep in pool.replicas
+            for rid, t in rep.tracked.items()}
 
 
 @pytest.fixture(scope="module")
@@ -35,10 +66,10 @@ def pool(vllm_model):
     from pat_rollout.driver.backends import get_backend
 
     config = PatRolloutConfig(model_path=vllm_model, num_devices=2, backend="vllm", initial_tp=1,
-                              candidate_tps=(1, 2), policy="manual", kv_handoff="recompute",
+                              candidate_tps=(1, 2), policy="manual", kv_handoff="auto",
                               comm_timeout_s=5.0, rpc_timeout_s=15.0)
     backend = get_backend("vllm")
-    p = backend.build_pool(config, backend.model_spec(config), Layout.uniform(2, 1), cost=None,
+    p = backend.build_pool(config, backend.model_spec(config), Layout.uniform(2, 1), cost=COST,
                            num_cpus_per_worker=1)
     yield p
     p.shutdown()
@@ -87,9 +118,10 @@ def test_2xtp1_equals_hf(pool, unswitched, vllm_model):
 def _assert_kv_split_by_heads(tp1: dict, tp2: list[dict]) -> None:
     """The KV hand-off's layout fact (pat_rollout/vllm/README.md, "KV migration"): the KV blocks TP2 rank h holds
     for a request are the TP1 replica's blocks of KV head h, element for element, whatever the attention
-    backend's packing inside a block; so a switch between TP1 and TP2 moves whole per-head sub-blocks. Both
+    backend's packing inside a block; so a switch between TP1 and TP2 moves whole per-head sub-blocks (here: the
+    TP1 blocks a migration assembled vs the TP2 blocks, computed there, read before the switch). Both
     engines are fresh (unwritten KV is zero; the engine core may have run a few steps past what the pool read
-    before the abort): compared where both wrote, at least the 15 tokens (7 prompt + 8 generated) s0 had at the
+    before the abort): compared where both wrote, at least the 15 tokens (of 8 prompt + 8 generated) l0 had at the
     switch, K and V (2 x head_dim 32 values per token and head)."""
     assert sorted(tp1) == sorted(tp2[0]) == sorted(tp2[1]) and len(tp1) == 2  # 2 layers
     for layer, full in tp1.items():
@@ -107,39 +139,45 @@ def test_switch_mid_decode_2xtp1_tp2_2xtp1_equals_unswitched(pool, unswitched):
     reqs = _requests("s")
     hot = SamplingParams(max_new_tokens=MAX_NEW, temperature=1.0, ignore_eos=True)  # unseeded
     sampled = [Request(request_id=f"t{i}", prompt_token_ids=(5 + i, 9, 11 + 2 * i), sampling=hot) for i in range(2)]
-    pool.add_requests(_split(reqs + sampled, 2))
+    long = Request(request_id="l0", prompt_token_ids=(2, 4, 6, 8, 10, 12, 14, 16),
+                   sampling=SamplingParams(max_new_tokens=LONG, ignore_eos=True))
+    pool.add_requests(_split(reqs + sampled + [long], 2))
     done = _run(pool, steps=4)
     assert not done
     seen = {rid: len(t.token_ids) for rep in pool.replicas for rid, t in rep.tracked.items()}
-    assert sorted(seen) == sorted(r.request_id for r in reqs + sampled), seen
+    assert sorted(seen) == sorted(r.request_id for r in reqs + sampled + [long]), seen
     assert all(0 < n < MAX_NEW for n in seen.values()), seen
 
+    ctx = _contexts(pool)
     res = pool.reconfigure(2, {r.request_id: i % 2 for i, r in enumerate(reqs)})
     assert pool.layout == Layout.uniform(2, 2) and res.dst == pool.layout
-    assert sorted(res.recomputed) == sorted(seen) and set(res.assignment.values()) == {0}
+    _check_handoff(pool, res, ctx, 2)  # TP1 -> TP2: each new rank loaded its KV head of the old replica's
+    assert "l0" in res.recomputed and set(res.assignment.values()) == {0}
     assert [(i["device"], i["replica"], i["tp_rank"]) for i in pool.info()] == [(0, 0, 0), (1, 0, 1)]
     done.update(_run(pool, steps=4))
     mid = {rid: len(t.token_ids) for rep in pool.replicas for rid, t in rep.tracked.items()}
     assert sorted(mid) == sorted(seen) and all(seen[rid] < n < MAX_NEW for rid, n in mid.items()), (seen, mid)
     rank0, rank1 = pool.replicas[0].rank_token_ids()  # the TP2 replica's two workers
-    assert len(rank0) == len(mid) and rank0 == rank1  # every request, sampled ones included: same ids on both
-    kv_tp2 = pool.replicas[0].kv_blocks("s0")  # per rank, per layer: [blocks, 1 KV head, ...] (a fresh engine)
+    # every request in the batch, sampled ones included: same ids on both ranks (the engine core runs ahead of the
+    # pool, so a request it already finished is gone from the batch; l0 is still running)
+    assert rank0 == rank1 and 1 <= len(rank0) <= len(mid) and "l0" in {k.rsplit("-", 1)[0] for k in rank0}
+    kv_tp2 = pool.replicas[0].kv_blocks("l0")  # per rank, per layer: [blocks, 1 KV head, ...] (a fresh engine)
 
+    ctx = _contexts(pool)
     res = pool.reconfigure(1, {rid: 0 for rid in mid})
-    assert pool.layout == Layout.uniform(2, 1) and sorted(res.recomputed) == sorted(mid)
+    assert pool.layout == Layout.uniform(2, 1)
+    _check_handoff(pool, res, ctx, 1)  # TP2 -> TP1: the new rank loaded both old ranks' KV heads
     assert set(res.assignment.values()) == {0, 1}
-    # The KV read needs s0 scheduled on its new worker: a step returns with the first output of any request, and
-    # vLLM may admit s0 (recomputed: a long prefill) in a later step; on a quiet machine one step was too few.
-    s0 = pool.replicas[res.assignment["s0"]]
-    for _ in range(MAX_NEW):
-        done.update(_run(pool, steps=1))
-        assert "s0" not in done
-        if len(s0.tracked["s0"].token_ids) > mid["s0"]:
-            break
-    assert len(s0.tracked["s0"].token_ids) > mid["s0"], "s0 was not scheduled on its new replica"
-    _assert_kv_split_by_heads(s0.kv_blocks("s0")[0], kv_tp2)
+    # l0 (recomputed into TP2 at the first switch, so TP2's blocks were computed there) is migrated here: its
+    # blocks on the TP1 worker are what the connector assembled from both TP2 ranks' files, head h from rank h.
+    # Read at once: the engine core runs ahead of the pool and drops a finished request's blocks; l0's long budget
+    # keeps it running meanwhile (the 24-token requests may already be done in the core).
+    assert "l0" in res.migrated
+    _assert_kv_split_by_heads(pool.replicas[res.assignment["l0"]].kv_blocks("l0")[0], kv_tp2)
     done.update(_run(pool))
-    assert sorted(done) == sorted(r.request_id for r in reqs + sampled)
+    assert sorted(done) == sorted(r.request_id for r in reqs + sampled + [long])
+    o = done.pop("l0")
+    assert len(o.token_ids) == LONG and o.finish_reason == "length"
     for r in sampled:
         o = done.pop(r.request_id)
         assert len(o.token_ids) == MAX_NEW and all(0 <= t < 250 for t in o.token_ids) and o.finish_reason == "length"
@@ -149,6 +187,32 @@ def test_switch_mid_decode_2xtp1_tp2_2xtp1_equals_unswitched(pool, unswitched):
         assert o.token_ids == ref.token_ids, rid
         assert o.log_probs == pytest.approx(ref.log_probs, abs=LOGPROB_ATOL), rid
         assert o.finish_reason == "length"
+
+
+def test_failed_kv_import_rolls_back_to_the_old_layout(pool, unswitched):
+    """A real fault in the KV import of 2 x TP1 -> 1 x TP2: the KV files of the first migrated request vanish
+    after the export, the new engine's worker fails to load them, the engine dies; the switch rolls back to
+    2 x TP1 (both stopped engines restarted), every request back on its replica (recomputed), and greedy outputs
+    end equal to the unswitched run's, token for token."""
+    assert pool.layout == Layout.uniform(2, 1)
+    reqs = [Request(request_id="m" + r.request_id[1:], prompt_token_ids=r.prompt_token_ids, sampling=r.sampling)
+            for r in _requests("u")]
+    split = _split(reqs, 2)
+    pool.add_requests(split)
+    assert not _run(pool, steps=3)
+    assert _expected_handoff(pool, _contexts(pool), 2)[0]  # something to migrate
+    pool.fail_next("kv_import")
+    with pytest.raises(ReconfigurationError, match="phase kv_import .*rolled back to the old layout 2xTP1.* "
+                                                   "\\(2 engines restarted\\), 4 of 4 unfinished") as e:
+        pool.reconfigure(2, {r.request_id: i % 2 for i, r in enumerate(reqs)})
+    assert pool.layout == Layout.uniform(2, 1) and len(pool.replicas) == 2
+    assert e.value.assignment == {r.request_id: i for i, rs in split.items() for r in rs}
+    done = _run(pool)
+    assert sorted(done) == sorted(r.request_id for r in reqs)
+    for rid, o in done.items():
+        ref = unswitched[rid[1:]]
+        assert o.token_ids == ref.token_ids, rid
+        assert o.log_probs == pytest.approx(ref.log_probs, abs=LOGPROB_ATOL), rid
 
 
 def test_hung_engine_core_misses_its_deadline(pool):

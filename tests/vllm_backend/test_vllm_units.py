@@ -61,6 +61,8 @@ def test_engine_args_take_the_config_then_the_overrides(tiny_models):
     assert kw["gpu_memory_utilization"] == 0.5 and kw["max_model_len"] == 128 and kw["max_num_seqs"] == 8
     assert kw["model"] == tiny_models["llama"] and kw["skip_tokenizer_init"] and kw["enforce_eager"]
     assert kw["worker_extension_cls"] == "pat_rollout.vllm.worker_ext.PatWorkerExtension"
+    assert kw["kv_transfer_config"] == {"kv_connector": "PatKVConnector", "kv_role": "kv_consumer",
+                                        "kv_connector_module_path": "pat_rollout.vllm.kv_connector"}
     with pytest.raises(ValueError, match="apply to backend='sglang' or 'vllm' only"):
         PatRolloutConfig(model_path="m", num_devices=2, engine_args={"x": 1})
 
@@ -74,9 +76,11 @@ class _FakeReplica:
     def __init__(self, index, devices, args, env, eos_token_ids=()):
         self.index, self.devices, self.engine, self.tracked = index, tuple(devices), object(), {}
         self.kv_tokens, self.block_size, self.num_blocks = 1024, 16, 64
+        self.cached_tokens = {}
         _FakeReplica.started.append((index, self.devices))
 
-    def resume(self, t):
+    def resume(self, t, kv=None):
+        assert kv is None  # kv_handoff="auto" without a cost model: nothing migrates
         self.tracked[t.request.request_id] = t
 
     def export(self, request_ids=None):
@@ -107,7 +111,7 @@ def fake_pool(monkeypatch):
     p.spec = types.SimpleNamespace(eos_token_ids=(), check_tp=lambda tp: None)
     p.num_devices, p.device, p.args = 2, "cpu", {"seed": 1, "model": "m"}
     p.base = p.layout = Layout.uniform(2, 1)
-    p.switches, p.fault, p.pending, p.weights_dir = 0, None, {}, None
+    p.switches, p.fault, p.pending, p.weights_dir, p.cost, p.held = 0, None, {}, None, None, []
     p.replicas = p._start(p.base)
     sp = SamplingParams(max_new_tokens=8)
     for rid, r in (("a", 0), ("b", 1), ("c", 0)):
@@ -142,9 +146,28 @@ def test_a_fault_in_each_switch_phase_rolls_back_to_the_old_layout(fake_pool, ph
     assert all(rep.engine is not None for rep in p.replicas)
     res = p.reconfigure(2, {"a": 0, "b": 1, "c": 0})  # the next switch goes through
     assert p.layout == Layout.uniform(2, 2) and res.assignment == {"a": 0, "b": 0, "c": 0}
-    assert sorted(res.recomputed) == ["a", "b", "c"] and list(res.phase_s) == ["export", "stop", "start", "import"]
+    assert sorted(res.recomputed) == ["a", "b", "c"] and list(res.phase_s) == ["export", "stop", "start", "import", "kv_import"]
 
 
 def test_fail_next_rejects_an_unknown_phase(fake_pool):
     with pytest.raises(ValueError, match="unknown switch phase 'reshard'"):
         fake_pool.fail_next("reshard")
+
+
+def test_kv_manifest_gives_each_new_rank_its_heads():
+    """kv.plan_kv's head mapping as the connector reads it: TP1 -> TP2 each new rank takes its head of the one
+    old file; TP2 -> TP1 the rank takes head 0 of rank 0's file and head 0 of rank 1's into its heads 0 and 1."""
+    from pat_rollout.vllm.pool import kv_manifest
+
+    one = {"path": "x.rank0", "shape": [1, 2, 128, 64], "dtype": "float32", "tokens": 14, "layers": 2, "bytes": 2 * 65536}
+    m = kv_manifest("a", [one], (0,), (0, 1), num_kv_heads=2)
+    assert m["tokens"] == 14 and m["layers"] == 2 and m["bytes"] == 2 * 65536
+    assert [[(f["path"], f["src"], f["dst"]) for f in r] for r in m["ranks"]] == [[("x.rank0", [0, 1], 0)],
+                                                                              [("x.rank0", [1, 2], 0)]]
+    halves = [{**one, "path": f"y.rank{k}", "shape": [1, 1, 128, 64], "bytes": 65536} for k in range(2)]
+    m = kv_manifest("a", halves, (0, 1), (1,), num_kv_heads=2)
+    assert [[(f["path"], f["src"], f["dst"]) for f in r] for r in m["ranks"]] == [[("y.rank0", [0, 1], 0),
+                                                                               ("y.rank1", [0, 1], 1)]]
+    assert m["bytes"] == 2 * 65536
+    with pytest.raises(RuntimeError, match="different token counts"):
+        kv_manifest("a", [halves[0], {**halves[1], "tokens": 13}], (0, 1), (0,), num_kv_heads=2)
