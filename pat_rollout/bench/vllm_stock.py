@@ -1,8 +1,8 @@
 """The vLLM pool's static layouts vs unmodified vLLM engines at the same TP, and PAT's stage, on one skewed batch.
 
     # in the vLLM venv (make install-vllm), CPU: a tiny random Llama (head_dim 32), 2 devices = 2 cores
-    python -m pat_rollout.bench.vllm_stock            # ~10 min on 2 cores
-    python -m pat_rollout.bench.vllm_stock --quick    # smoke run: fewer, shorter rounds
+    python -m pat_rollout.bench.vllm_stock            # ~10 min on 2 loaded cores
+    python -m pat_rollout.bench.vllm_stock --quick    # smoke run: 2 short rounds (~5 min: 7 engine starts)
 
 Per static layout (2 x TP1, then 1 x TP2), one phase with two configurations alive at once, each started once and
 reused for every round:
