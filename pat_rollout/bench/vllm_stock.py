@@ -134,7 +134,7 @@ def pool_generate(pool: Any, requests: list[Request], clock: ChunkClock) -> tupl
             ((res, _snap),) = pool.step([r], 1).values()
             now = time.perf_counter()
             for rid, t in pool.replicas[r].tracked.items():
-                record(clock, seen, rid, t.num_tokens, now)
+                record(clock, seen, rid, len(t.token_ids), now)
             for o in res.finished:
                 record(clock, seen, o.request_id, len(o.token_ids), now)
                 outs[o.request_id] = o

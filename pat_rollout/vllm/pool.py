@@ -177,7 +177,7 @@ class VllmPool(Pool):
         for r in replicas:
             rep = self.replicas[r]
             t0 = time.perf_counter()
-            work = sum(len(t.request.prompt_token_ids) + t.num_tokens for t in rep.tracked.values())
+            work = sum(len(t.request.prompt_token_ids) + len(t.token_ids) for t in rep.tracked.values())
             try:
                 finished, decoded = rep.step(num_steps, self.config.rpc_deadline_s(work))
             except EngineTimeout as e:
@@ -193,7 +193,7 @@ class VllmPool(Pool):
 
     def _snapshot(self, rep: Any) -> EngineSnapshot:
         running = tuple(RunningInfo(request_id=rid, num_prompt_tokens=len(t.request.prompt_token_ids),
-                                    num_output_tokens=t.num_tokens,
+                                    num_output_tokens=len(t.token_ids),
                                     max_new_tokens=t.request.sampling.max_new_tokens)
                         for rid, t in rep.tracked.items())
         used = sum(-(-(i.num_prompt_tokens + i.num_output_tokens) // rep.block_size) for i in running)

@@ -41,11 +41,6 @@ class Tracked:
         return self.prefix_ids + tuple(self.new_ids)
 
     @property
-    def num_tokens(self) -> int:
-        """len(token_ids) without building the tuple (read at every step)."""
-        return len(self.prefix_ids) + len(self.new_ids)
-
-    @property
     def log_probs(self) -> tuple[float, ...]:
         return self.prefix_lps + tuple(self.new_lps)
 
@@ -157,14 +152,13 @@ class VllmReplica:
                 t = self.tracked.get(o.request_id)
                 if t is None:  # aborted here meanwhile
                     continue
-                c = o.outputs[0]  # cumulative (vLLM's default output kind): read only what is new
+                c = o.outputs[0]
                 n_before = len(t.new_ids)
-                t.new_ids.extend(c.token_ids[n_before:])
-                t.new_lps.extend(next(iter(d.values())).logprob if d else float("nan")
-                                 for d in (c.logprobs or [])[n_before:])
-                if len(t.new_lps) != len(t.new_ids) or (c.logprobs is not None and len(c.logprobs) != len(t.new_ids)):
-                    raise RuntimeError(f"vLLM returned {len(c.logprobs or [])} log-probs for {len(c.token_ids)} "
-                                       f"tokens of request {o.request_id!r}")
+                t.new_ids = list(c.token_ids)
+                t.new_lps = [next(iter(d.values())).logprob if d else float("nan") for d in (c.logprobs or [])]
+                if len(t.new_lps) != len(t.new_ids):
+                    raise RuntimeError(f"vLLM returned {len(t.new_lps)} log-probs for {len(t.new_ids)} tokens "
+                                       f"of request {o.request_id!r}")
                 decoded += len(t.new_ids) - n_before
                 if o.finished:
                     finished.append(t.output(c.finish_reason or "stop"))
