@@ -204,17 +204,21 @@ def run_rounds(args, common: dict, spec, requests: list[Request], batch: list[Re
                 logging.getLogger(__name__).warning("shutdown failed: %s", e)
 
 
-def print_step_table(tps: list[int], n: int, step: dict[str, list[float]], tokens: dict[str, list]) -> bool:
-    print("\ndecode step time of the uniform batch (ms per token of a request after its first chunk; median over "
-          "requests, then median [min-max] over rounds)")
-    print(f"{'layout':<10}{'pool static':>26}{'stock sglang':>26}{'pool / stock':>24}{'same tokens':>13}")
+def print_step_table(tps: list[int], n: int, step: dict[str, list[float]], tokens: dict[str, list], *,
+                     title: str = "decode step time of the uniform batch (ms per token of a request after its first "
+                                  "chunk; median over requests, then median [min-max] over rounds)",
+                     stock_label: str = "stock sglang", scale: float = 1e3) -> bool:
+    """Per TP: pool static and stock times (`step[f"pool TP{tp}"]`, `step[f"stock TP{tp}"]`, one per round, shown
+    times `scale`) and the per-round ratios, median [min-max]; True if every round's tokens equal stock's first."""
+    print(f"\n{title}")
+    print(f"{'layout':<10}{'pool static':>26}{stock_label:>26}{'pool / stock':>24}{'same tokens':>13}")
     ok = True
     for tp in tps:
         p, s = step[f"pool TP{tp}"], step[f"stock TP{tp}"]
         same = all(t == tokens[f"stock TP{tp}"][0] for t in tokens[f"pool TP{tp}"] + tokens[f"stock TP{tp}"])
         ok &= same
         ratios = [a / b for a, b in zip(p, s)]
-        print(f"{f'{n // tp}xTP{tp}':<10}{_spread(p, 1e3):>26}{_spread(s, 1e3):>26}{_spread(ratios, 1, '.3f'):>24}"
+        print(f"{f'{n // tp}xTP{tp}':<10}{_spread(p, scale):>26}{_spread(s, scale):>26}{_spread(ratios, 1, '.3f'):>24}"
               f"{str(same):>13}")
     print("(pool / stock: per-round ratios; goal <= 1.05)")
     return ok

@@ -22,7 +22,7 @@ from pat_rollout.types import Request, RequestOutput, RequestState, SamplingPara
 
 logger = logging.getLogger(__name__)
 
-POLL_S = 0.002  # slice of a bounded wait for the engine core's next output
+POLL_S = 0.02  # slice of a bounded wait for the engine core's next output (between liveness checks)
 
 
 @dataclass(slots=True)
@@ -180,19 +180,23 @@ class VllmReplica:
         return finished, decoded
 
     def _wait_output(self, deadline_s: float) -> None:
-        """Bounded wait: vLLM's `get_output` blocks on its queue without a timeout (SyncMPClient.get_output);
-        each slice also checks that the engine core process lives."""
+        """Bounded wait: vLLM's `get_output` blocks on its queue without a timeout (SyncMPClient.get_output).
+        Waits on the queue's own condition (`queue.Queue.not_empty`, notified by vLLM's output thread at each
+        put), so it returns as soon as an output arrives, as the blocking `get` would, and wakes only every
+        POLL_S otherwise, to check that the engine core process lives and the deadline."""
         queue = self.engine.engine_core.outputs_queue
         proc = self.engine.engine_core.resources.engine_manager.processes[0]
         end = time.monotonic() + deadline_s
-        while queue.empty():
-            if not proc.is_alive():
-                raise EngineGone(f"vLLM replica {self.index} on devices {list(self.devices)}: the engine core "
-                                 f"process (pid {proc.pid}) is gone, exit code {proc.exitcode}")
-            if time.monotonic() > end:
-                raise EngineTimeout(f"vLLM replica {self.index} on devices {list(self.devices)}: no engine-core "
-                                    f"output within {deadline_s:.1f} s ({len(self.tracked)} requests running)")
-            time.sleep(POLL_S)
+        with queue.not_empty:  # queue.Queue's lock; `_qsize` is the size without taking it again
+            while not queue._qsize():
+                if not proc.is_alive():
+                    raise EngineGone(f"vLLM replica {self.index} on devices {list(self.devices)}: the engine core "
+                                     f"process (pid {proc.pid}) is gone, exit code {proc.exitcode}")
+                left = end - time.monotonic()
+                if left <= 0:
+                    raise EngineTimeout(f"vLLM replica {self.index} on devices {list(self.devices)}: no engine-core "
+                                        f"output within {deadline_s:.1f} s ({len(self.tracked)} requests running)")
+                queue.not_empty.wait(min(POLL_S, left))
 
     def export(self, request_ids: Iterable[str] | None = None) -> list[Tracked]:
         """Abort `request_ids` (None: all) and hand back what this replica returned of each (exact tokens and
