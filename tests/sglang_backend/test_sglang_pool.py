@@ -79,7 +79,10 @@ def test_switch_mid_decode_equals_hf(tiny_models, hf_reference, arch, handoff):
         outs, (grow, shrink) = _run_with_switches(driver, reqs)
         assert str(grow.dst).startswith("1xTP2") and str(shrink.dst).startswith("2xTP1")
         unfinished = set(grow.migrated) | set(grow.recomputed)
-        assert unfinished == {r.request_id for r in reqs}
+        # Every request still running at the grow is handed off (one left behind would never finish: outs times
+        # out). Usually all four are; under load one replica can finish its two before the other's reach the switch
+        # point (seen on 0.5.12 beside another suite): those cross no switch and must still equal HF below.
+        assert unfinished and unfinished <= {r.request_id for r in reqs}, unfinished
         # A request may reach its last token while the shrink's export runs (a fast machine polls late): it
         # finishes there and is not handed off again. Every other one is.
         handed = set(shrink.migrated) | set(shrink.recomputed)
@@ -94,12 +97,12 @@ def test_switch_mid_decode_equals_hf(tiny_models, hf_reference, arch, handoff):
         # rank r of the TP=2 replica had KV head r; back at TP=1 each rank holds both heads again
         assert [r["kv_heads"] for r in per_rank] == [2, 2]
         hits = {r.request_id: driver.pool.client.cached_tokens[r.request_id] for r in reqs}  # one per submission
-        assert all(len(h) == (3 if rid in handed else 2) for rid, h in hits.items()), (hits, handed)
+        assert all(len(h) == 1 + (rid in unfinished) + (rid in handed) for rid, h in hits.items()), (hits, handed)
         if handoff == "migrate":
             assert all(v > 0 for v in per_rank[0]["cached_tokens"].values())
             assert sum(r["bytes_moved"] for r in per_rank) > 0  # each rank received the other head
             # after each switch SGLang's prefix match found the migrated KV: only the tail was prefilled
-            assert all(h[1] > 0 for h in hits.values()), hits
+            assert all(h[1] > 0 for rid, h in hits.items() if rid in unfinished), hits
             assert all(hits[rid][2] == per_rank[0]["cached_tokens"][rid] for rid in handed), hits
         else:
             assert all(not any(h[1:]) for h in hits.values()), hits  # recomputed: full re-prefill
