@@ -26,6 +26,7 @@ time) and resubmits the request with a manifest in `SamplingParams.extra_args["k
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -72,28 +73,29 @@ def load_request_kv(kv_layers: list[torch.Tensor], block_ids: list[int], manifes
     if manifest["layers"] != len(kv_layers):
         raise RuntimeError(f"KV migration: {manifest['layers']} layers exported, this model has {len(kv_layers)}")
     read = 0
+    device = kv_layers[0].device
     for src in sources:
         dtype = getattr(torch, src["dtype"])
         shape = list(src["shape"])
-        numel = 1
-        for d in shape:
-            numel *= d
-        nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        nbytes = math.prod(shape) * dtype.itemsize
         a, b, c = src["src"][0], src["src"][1], src["dst"]
+        # Host staging, one buffer per source file reused for every layer: pinned on a GPU host, so each layer
+        # reaches the device in one DMA of the whole (contiguous) buffer; the head slice is taken on the device.
+        # Extra memory at the peak: one old rank's layer of this request, once in host memory, once on the device
+        # (only a GPU run shows the DMA and the device scratch; on the CPU `.to(device)` is the buffer itself).
+        buf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=device.type == "cuda")
+        idx = torch.tensor(block_ids[:shape[0]], device=device)
         with open(src["path"], "rb") as f:
             for i, layer in enumerate(kv_layers):
                 dst = block_head_view(layer, num_blocks, num_heads)
                 if dst.dtype != dtype or list(dst.shape[2:]) != shape[2:]:
                     raise RuntimeError(f"KV migration: exported {src['dtype']} {shape} does not fit the layer's "
                                        f"{dst.dtype} {list(dst.shape)}")
-                # host staging: pinned on a GPU host, so the copy below is one DMA per layer
-                buf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=layer.is_cuda)
                 f.seek(i * nbytes)
                 if f.readinto(memoryview(buf.numpy())) != nbytes:
                     raise RuntimeError(f"KV migration: {src['path']} is short (layer {i})")
-                part = buf.view(dtype).view(shape)[:, a:b]
-                idx = torch.tensor(block_ids[:shape[0]], device=layer.device)
-                dst[idx, c:c + b - a] = part.to(layer.device)
+                # a synchronous copy (non_blocking=False): the buffer may be refilled for the next layer at once
+                dst[idx, c:c + b - a] = buf.to(device).view(dtype).view(shape)[:, a:b]
                 read += nbytes * (b - a) // shape[1]
     return read
 
