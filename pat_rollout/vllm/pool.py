@@ -201,27 +201,32 @@ class VllmPool(Pool):
                 self.replicas[r].add(q)
 
     def step(self, replicas: Iterable[int], num_steps: int) -> dict[int, tuple[StepResult, EngineSnapshot]]:
-        from pat_rollout.vllm.replica import EngineTimeout
-
         self._flush_weights()
         out: dict[int, tuple[StepResult, EngineSnapshot]] = {}
         for r in replicas:
             held, self.held = self.held, []  # finished during the last switch's KV import: reported once, here
             rep = self.replicas[r]
             t0 = time.perf_counter()
-            work = sum(len(t.request.prompt_token_ids) + len(t.token_ids) for t in rep.tracked.values())
-            try:
-                finished, decoded = rep.step(num_steps, self.config.rpc_deadline_s(work))
-            except EngineTimeout as e:
-                raise WorkerError(f"VllmPool decode step: {e} (PatRolloutConfig.rpc_deadline_s)", list(rep.devices),
-                                  unresponsive=True) from e
-            except Exception as e:  # vLLM's EngineDeadError: an engine-core or worker process died
-                raise WorkerError(f"VllmPool decode step on replica {r} (devices {list(rep.devices)}): {e!r}",
-                                  list(rep.devices), unresponsive=True) from e
+            finished, decoded = self._step_replica(rep, num_steps, "decode step")
             out[r] = (StepResult(finished=tuple(held + finished), num_steps=num_steps, num_decode_tokens=decoded,
                                  num_prefill_tokens=0, num_running=len(rep.tracked), num_waiting=0,
                                  elapsed_s=time.perf_counter() - t0), self._snapshot(rep))
         return out
+
+    def _step_replica(self, rep: Any, num_steps: int, what: str) -> tuple[list[RequestOutput], int]:
+        """`num_steps` engine steps of `rep` under the RPC deadline of its running context, a hung or dead engine
+        raised as WorkerError(unresponsive=True) naming its devices (the decode step and the switch's KV import)."""
+        from pat_rollout.vllm.replica import EngineTimeout
+
+        work = sum(len(t.request.prompt_token_ids) + len(t.token_ids) for t in rep.tracked.values())
+        try:
+            return rep.step(num_steps, self.config.rpc_deadline_s(work))
+        except EngineTimeout as e:
+            raise WorkerError(f"VllmPool {what}: {e} (PatRolloutConfig.rpc_deadline_s)", list(rep.devices),
+                              unresponsive=True) from e
+        except Exception as e:  # vLLM's EngineDeadError: an engine-core or worker process died
+            raise WorkerError(f"VllmPool {what} on replica {rep.index} (devices {list(rep.devices)}): {e!r}",
+                              list(rep.devices), unresponsive=True) from e
 
     def _snapshot(self, rep: Any) -> EngineSnapshot:
         running = tuple(RunningInfo(request_id=rid, num_prompt_tokens=len(t.request.prompt_token_ids),
@@ -393,11 +398,7 @@ class VllmPool(Pool):
             want = {rid for rid, rr in where.items() if rr == r}
             rounds = sum(t.request.sampling.max_new_tokens for t in rep.tracked.values()) + 1
             while want - rep.cached_tokens.keys() and rep.busy() and rounds > 0:
-                work = sum(len(t.request.prompt_token_ids) + len(t.token_ids) for t in rep.tracked.values())
-                try:
-                    finished, _ = rep.step(1, self.config.rpc_deadline_s(work))
-                except TimeoutError as e:  # replica.EngineTimeout
-                    raise WorkerError(f"VllmPool KV import: {e}", list(rep.devices), unresponsive=True) from e
+                finished, _ = self._step_replica(rep, 1, "KV import")
                 self.held += finished
                 rounds -= 1
             if missing := want - rep.cached_tokens.keys():
