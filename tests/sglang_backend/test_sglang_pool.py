@@ -28,8 +28,8 @@ def _config(path: str, handoff: str) -> PatRolloutConfig:
                             policy="manual", kv_handoff=handoff, dtype="float32", steps_per_poll=2)
 
 
-def _requests(tag: str, n: int = 4) -> list[Request]:
-    sp = SamplingParams(max_new_tokens=MAX_NEW, ignore_eos=True)
+def _requests(tag: str, n: int = 4, max_new: int = MAX_NEW) -> list[Request]:
+    sp = SamplingParams(max_new_tokens=max_new, ignore_eos=True)
     return [Request(request_id=f"{tag}{i}", prompt_token_ids=tuple(range(3 + 5 * i, 12 + 7 * i)), sampling=sp)
             for i in range(n)]
 
@@ -47,7 +47,7 @@ def _wait_tokens(driver, futures, n: int, timeout: float = 120) -> None:
 
 def _check_equal_hf(outs, reqs, model_path, hf_reference) -> None:
     for r in reqs:
-        ref_ids, ref_lps = hf_reference(model_path, list(r.prompt_token_ids), MAX_NEW)
+        ref_ids, ref_lps = hf_reference(model_path, list(r.prompt_token_ids), r.sampling.max_new_tokens)
         out = outs[r.request_id]
         assert out.finish_reason == "length", r.request_id
         assert list(out.token_ids) == ref_ids, r.request_id

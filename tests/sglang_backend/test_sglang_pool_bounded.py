@@ -34,7 +34,10 @@ def test_shrink_and_handoff_peak_bytes_within_chunk_and_cap(tiny_models, hf_refe
     path = tiny_models["llama"]
     cfg = dataclasses.replace(_config(path, "migrate"), transfer_chunk_bytes=CHUNK, kv_handoff_max_bytes=CAP)
     driver = RolloutDriver(cfg)
-    reqs = _requests("b", 12)
+    # 240 new tokens, not 96: both switches need every request still running (the cap recomputes some of them only
+    # when the running requests' KV exceeds it). The replicas decode independently, and in a CI run at load ~12 on
+    # 2 cores replica 1 finished all six of its 96-token requests before replica 0's reached 8 tokens.
+    reqs = _requests("b", 12, max_new=240)
     try:
         futures = {r.request_id: driver.submit(r) for r in reqs}
         switches = []
