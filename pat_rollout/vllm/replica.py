@@ -153,17 +153,23 @@ class VllmReplica:
     def step(self, num_steps: int, deadline_s: float) -> tuple[list[RequestOutput], int]:
         """Read up to `num_steps` engine-core outputs (each is one scheduler step of the engine core, which runs on
         its own meanwhile), waiting at most `deadline_s` for each. Returns the finished requests and how many
-        new tokens the busy requests received."""
+        new tokens the busy requests received.
+
+        An output of only requests this replica no longer tracks is not a step: the engine core runs ahead of the
+        pool, so after an abort (`export`, `abort_all`) its queue still holds the steps it made for the aborted
+        requests, as many as it ran ahead (thousands for a long request), and counting them would hand the
+        requests submitted next steps without tokens."""
         finished: list[RequestOutput] = []
         decoded = 0
-        for _ in range(num_steps):
-            if not self.tracked:
-                break
+        steps = 0
+        while steps < num_steps and self.tracked:
             self._wait_output(deadline_s)
-            for o in self.engine.step():
-                t = self.tracked.get(o.request_id)
-                if t is None:  # aborted here meanwhile
-                    continue
+            outs = [o for o in self.engine.step() if o.request_id in self.tracked]
+            if not outs:
+                continue
+            steps += 1
+            for o in outs:
+                t = self.tracked[o.request_id]
                 c = o.outputs[0]
                 if o.request_id not in self.cached_tokens:
                     self.cached_tokens[o.request_id] = int(o.num_cached_tokens or 0)

@@ -18,4 +18,6 @@ os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 def vllm_model(tmp_path_factory: pytest.TempPathFactory) -> str:
     from pat_rollout.models import make_tiny_model
 
-    return str(make_tiny_model(tmp_path_factory.mktemp("models") / "llama32", "llama", hidden_size=128, head_dim=32))
+    # 4096 positions: room for a request that outlives every test step (test_vllm_pool_switch.LONG)
+    return str(make_tiny_model(tmp_path_factory.mktemp("models") / "llama32", "llama", hidden_size=128, head_dim=32,
+                               max_position_embeddings=4096))

@@ -171,3 +171,50 @@ def test_kv_manifest_gives_each_new_rank_its_heads():
     assert m["bytes"] == 2 * 65536
     with pytest.raises(RuntimeError, match="different token counts"):
         kv_manifest("a", [halves[0], {**halves[1], "tokens": 13}], (0, 1), (0,), num_kv_heads=2)
+
+
+class _QueuedEngine:
+    """Stands in for vLLM's LLMEngine: `step` reads one queued engine-core output (a list of request outputs),
+    as `LLMEngine.step` reads one `EngineCoreOutputs` from its client's queue."""
+
+    def __init__(self, batches):
+        import queue
+        import types
+
+        self.engine_core = types.SimpleNamespace(outputs_queue=queue.Queue())
+        proc = types.SimpleNamespace(is_alive=lambda: True, pid=1, exitcode=None)
+        self.engine_core.resources = types.SimpleNamespace(engine_manager=types.SimpleNamespace(processes=[proc]))
+        for b in batches:
+            self.engine_core.outputs_queue.put(b)
+
+    def step(self):
+        return self.engine_core.outputs_queue.get_nowait()
+
+
+def _out(rid, ids, finished=False):
+    import types
+
+    c = types.SimpleNamespace(token_ids=list(ids), logprobs=[{t: types.SimpleNamespace(logprob=-1.0)} for t in ids],
+                              finish_reason="length" if finished else None)
+    return types.SimpleNamespace(request_id=rid, outputs=[c], num_cached_tokens=0, finished=finished)
+
+
+def test_replica_step_skips_outputs_of_aborted_requests():
+    """The engine core runs ahead of the pool: after an abort its queue still holds outputs of the aborted request
+    (`old`). Those are not steps: two steps of the new request read its first two tokens, whatever the backlog;
+    an empty queue then misses the deadline (bounded), naming the replica."""
+    from pat_rollout.types import Request, SamplingParams
+    from pat_rollout.vllm.replica import EngineTimeout, Tracked, VllmReplica
+
+    rep = object.__new__(VllmReplica)
+    rep.index, rep.devices, rep.cached_tokens = 1, (1,), {}
+    req = Request(request_id="new", prompt_token_ids=(1, 2), sampling=SamplingParams(max_new_tokens=3))
+    rep.tracked = {"new": Tracked(request=req)}
+    backlog = [[_out("old", range(n))] for n in range(1, 6)]
+    rep.engine = _QueuedEngine(backlog[:3] + [[_out("old", [0] * 4), _out("new", [7])]] + backlog[3:]
+                               + [[_out("new", [7, 8])]])
+    finished, decoded = rep.step(2, deadline_s=1.0)
+    assert (finished, decoded) == ([], 2) and rep.tracked["new"].token_ids == (7, 8)
+    assert rep.engine.engine_core.outputs_queue.empty()
+    with pytest.raises(EngineTimeout, match="replica 1 on devices \\[1\\]: no engine-core output within 0.1 s"):
+        rep.step(1, deadline_s=0.1)
