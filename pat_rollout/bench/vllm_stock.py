@@ -97,6 +97,7 @@ class StockEngines:
         clock.clear()
         seen: dict[str, int] = {}
         outs: dict[str, RequestOutput] = {}
+        got: dict[str, tuple[list[int], list[float]]] = {q.request_id: ([], []) for q in requests}
         t0 = time.perf_counter()
         for r, reqs in deal(requests, len(self.engines)).items():
             for q in reqs:
@@ -106,14 +107,16 @@ class StockEngines:
             for eng in busy:
                 step_outs = eng.step()
                 now = time.perf_counter()
-                for o in step_outs:
+                for o in step_outs:  # DELTA outputs (vllm_sampling): the new tokens only
                     c = o.outputs[0]
-                    record(clock, seen, o.request_id, len(c.token_ids), now)
+                    ids, lps = got[o.request_id]
+                    ids.extend(c.token_ids)
+                    lps.extend(next(iter(d.values())).logprob for d in (c.logprobs or []))
+                    record(clock, seen, o.request_id, len(ids), now)
                     if o.finished:
-                        lps = [next(iter(d.values())).logprob for d in (c.logprobs or [])]
                         outs[o.request_id] = RequestOutput(
                             request_id=o.request_id, prompt_token_ids=tuple(o.prompt_token_ids or ()),
-                            token_ids=tuple(c.token_ids), log_probs=tuple(lps), finish_reason=c.finish_reason or "")
+                            token_ids=tuple(ids), log_probs=tuple(lps), finish_reason=c.finish_reason or "")
         elapsed = time.perf_counter() - t0
         return [outs[q.request_id] for q in requests], elapsed
 
@@ -134,7 +137,7 @@ def pool_generate(pool: Any, requests: list[Request], clock: ChunkClock) -> tupl
             ((res, _snap),) = pool.step([r], 1).values()
             now = time.perf_counter()
             for rid, t in pool.replicas[r].tracked.items():
-                record(clock, seen, rid, len(t.token_ids), now)
+                record(clock, seen, rid, t.num_tokens, now)
             for o in res.finished:
                 record(clock, seen, o.request_id, len(o.token_ids), now)
                 outs[o.request_id] = o

@@ -218,7 +218,7 @@ class VllmPool(Pool):
         raised as WorkerError(unresponsive=True) naming its devices (the decode step and the switch's KV import)."""
         from pat_rollout.vllm.replica import EngineTimeout
 
-        work = sum(len(t.request.prompt_token_ids) + len(t.token_ids) for t in rep.tracked.values())
+        work = sum(len(t.request.prompt_token_ids) + t.num_tokens for t in rep.tracked.values())
         try:
             return rep.step(num_steps, self.config.rpc_deadline_s(work))
         except EngineTimeout as e:
@@ -230,7 +230,7 @@ class VllmPool(Pool):
 
     def _snapshot(self, rep: Any) -> EngineSnapshot:
         running = tuple(RunningInfo(request_id=rid, num_prompt_tokens=len(t.request.prompt_token_ids),
-                                    num_output_tokens=len(t.token_ids),
+                                    num_output_tokens=t.num_tokens,
                                     max_new_tokens=t.request.sampling.max_new_tokens)
                         for rid, t in rep.tracked.items())
         used = sum(-(-(i.num_prompt_tokens + i.num_output_tokens) // rep.block_size) for i in running)

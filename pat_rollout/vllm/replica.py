@@ -41,6 +41,11 @@ class Tracked:
         return self.prefix_ids + tuple(self.new_ids)
 
     @property
+    def num_tokens(self) -> int:
+        """len(token_ids) without building it (read per request at every step)."""
+        return len(self.prefix_ids) + len(self.new_ids)
+
+    @property
     def log_probs(self) -> tuple[float, ...]:
         return self.prefix_lps + tuple(self.new_lps)
 
@@ -81,16 +86,19 @@ def patched_environ(env: dict[str, str]) -> Iterator[None]:
 def vllm_sampling(sp: SamplingParams, max_tokens: int, eos_token_ids: Sequence[int],
                   kv: dict[str, Any] | None = None) -> Any:
     """vLLM SamplingParams for ours: the sampled token's log-prob (`logprobs=0`, raw model log-probs), no
-    detokenization (token ids in and out). EOS comes from the checkpoint's config (the engine runs without a
+    detokenization (token ids in and out), each output carrying only the tokens new since the last (`DELTA`: with
+    vLLM's default CUMULATIVE every step copies every request's whole output, O(response length) per request per
+    step, in vLLM's output processor and again here). EOS comes from the checkpoint's config (the engine runs without a
     tokenizer), as stop token ids unless `ignore_eos`. `kv`: a migrated request's KV manifest, for the engine's
     `kv_connector.PatKVConnector` (`kv_transfer_params`). A seed is passed only when non-zero: vLLM then samples from
     a per-request generator seeded at admission (not reproducible across a resubmission; see README)."""
     from vllm import SamplingParams as VSP
+    from vllm.sampling_params import RequestOutputKind
 
     stop = tuple(sp.stop_token_ids) + (() if sp.ignore_eos else tuple(eos_token_ids))
     return VSP(max_tokens=max_tokens, temperature=sp.temperature, top_p=sp.top_p, top_k=sp.top_k,
                seed=sp.seed or None, stop_token_ids=list(dict.fromkeys(stop)), ignore_eos=sp.ignore_eos,
-               logprobs=0, detokenize=False, extra_args={"kv_transfer_params": {"pat_kv": kv}} if kv else None)
+               logprobs=0, detokenize=False, output_kind=RequestOutputKind.DELTA, extra_args={"kv_transfer_params": {"pat_kv": kv}} if kv else None)
 
 
 class VllmReplica:
@@ -173,13 +181,13 @@ class VllmReplica:
                 c = o.outputs[0]
                 if o.request_id not in self.cached_tokens:
                     self.cached_tokens[o.request_id] = int(o.num_cached_tokens or 0)
-                n_before = len(t.new_ids)
-                t.new_ids = list(c.token_ids)
-                t.new_lps = [next(iter(d.values())).logprob if d else float("nan") for d in (c.logprobs or [])]
-                if len(t.new_lps) != len(t.new_ids):
-                    raise RuntimeError(f"vLLM returned {len(t.new_lps)} log-probs for {len(t.new_ids)} tokens "
+                lps = [next(iter(d.values())).logprob if d else float("nan") for d in (c.logprobs or [])]
+                if len(lps) != len(c.token_ids):
+                    raise RuntimeError(f"vLLM returned {len(lps)} log-probs for {len(c.token_ids)} new tokens "
                                        f"of request {o.request_id!r}")
-                decoded += len(t.new_ids) - n_before
+                t.new_ids.extend(c.token_ids)  # DELTA outputs: the tokens since the last output
+                t.new_lps.extend(lps)
+                decoded += len(c.token_ids)
                 if o.finished:
                     finished.append(t.output(c.finish_reason or "stop"))
                     del self.tracked[o.request_id]

@@ -212,7 +212,7 @@ def test_replica_step_skips_outputs_of_aborted_requests():
     rep.tracked = {"new": Tracked(request=req)}
     backlog = [[_out("old", range(n))] for n in range(1, 6)]
     rep.engine = _QueuedEngine(backlog[:3] + [[_out("old", [0] * 4), _out("new", [7])]] + backlog[3:]
-                               + [[_out("new", [7, 8])]])
+                               + [[_out("new", [8])]])  # DELTA outputs: the new tokens only
     finished, decoded = rep.step(2, deadline_s=1.0)
     assert (finished, decoded) == ([], 2) and rep.tracked["new"].token_ids == (7, 8)
     assert rep.engine.engine_core.outputs_queue.empty()
