@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -69,6 +69,29 @@ def replica_seed(seed: int, switches: int, replica: int) -> int:
     with it (`set_random_seed(model_config.seed)`), so the ranks of a replica sample alike (fresh engines, equal
     RNG states), while replicas and layouts draw different random streams."""
     return (seed * 1_000_003 + switches * 1_009 + replica) % (2**31 - 1)
+
+
+def stop_all(replicas: Sequence[Any]) -> list[tuple[int, Exception]]:
+    """Stop every replica's engine at once (a thread each) and wait for all (`VllmReplica.shutdown` returns when its
+    processes are gone): each stop waits out vLLM's grace for its workers (~4-5 s), so N engines stop in about one
+    engine's time instead of N times it. Returns (replica index, error) for each stop that failed; the others are
+    stopped."""
+    import threading
+
+    errors: list[tuple[int, Exception]] = []
+
+    def stop(rep: Any) -> None:
+        try:
+            rep.shutdown()
+        except Exception as e:  # reported by the caller; the other stops go on
+            errors.append((rep.index, e))
+
+    threads = [threading.Thread(target=stop, args=(rep,), name=f"pat-vllm-stop-{rep.index}") for rep in replicas]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return errors
 
 
 def engine_args(config: PatRolloutConfig, spec: ModelSpec, **overrides: Any) -> dict[str, Any]:
@@ -155,8 +178,8 @@ class VllmPool(Pool):
                     self._maybe_fail("start", f"starting replica {r} of {layout}")
                 made.append(self._new_replica(r, group))
         except BaseException:
-            for rep in made:
-                rep.shutdown()
+            for i, e in stop_all(made):  # the start's error is the one raised
+                logger.warning("VllmPool: stopping replica %d after a failed start failed too: %r", i, e)
             raise
         self.kv_tokens = min(rep.kv_tokens for rep in made)
         return made
@@ -170,12 +193,7 @@ class VllmPool(Pool):
                            eos_token_ids=self.spec.eos_token_ids)
 
     def _stop(self) -> None:
-        errors = []
-        for rep in self.replicas:
-            try:
-                rep.shutdown()
-            except Exception as e:  # keep stopping the others
-                errors.append(f"replica {rep.index}: {e}")
+        errors = [f"replica {i}: {e}" for i, e in stop_all(self.replicas)]
         self.replicas = []
         if errors:
             raise WorkerError(f"VllmPool: stopping engines failed: {errors}", list(range(self.num_devices)))
@@ -305,9 +323,11 @@ class VllmPool(Pool):
                                           self.spec.num_kv_heads) for rid, files in saved.items()}
             result.phase_s["export"] = time.perf_counter() - t
             phase, t = "stop", time.perf_counter()
-            for rep in old:
-                rep.shutdown()
-                self._maybe_fail("stop", f"after stopping replica {rep.index}")
+            if self.fault is not None and self.fault[0] == "stop":  # test hook: a fault after the first stop
+                old[0].shutdown()
+                self._maybe_fail("stop", f"after stopping replica {old[0].index}")
+            if errors := stop_all(old):  # all at once
+                raise RuntimeError(f"stopping the old layout's engines: {errors}")
             self.replicas = []
             result.phase_s["stop"] = time.perf_counter() - t
             phase, t = "start", time.perf_counter()
@@ -412,8 +432,8 @@ class VllmPool(Pool):
         ReconfigurationError to raise; PoolBrokenError if the pool cannot get back."""
         try:
             new = [rep for rep in self.replicas if all(rep is not o for o in old)]
-            for rep in new:
-                rep.shutdown()
+            if errors := stop_all(new):
+                raise RuntimeError(f"stopping the new layout's engines: {errors}")
             replicas: list[Any] = []
             restarted = 0
             for rep in old:
@@ -429,11 +449,7 @@ class VllmPool(Pool):
                 if tr.request.request_id not in held:
                     self.replicas[r].resume(tr)
         except Exception as e2:
-            for rep in self.replicas:
-                try:
-                    rep.shutdown()
-                except Exception:  # best effort: the pool is broken anyway
-                    pass
+            stop_all(self.replicas)  # best effort: the pool is broken anyway
             raise PoolBrokenError(f"{what} failed in phase {phase} ({cause!r}), and rolling back to {src} failed "
                                   f"({e2!r}); the pool is broken") from e2
         assignment = {rid: rep.index for rep in self.replicas for rid in rep.tracked}

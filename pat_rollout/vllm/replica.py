@@ -23,6 +23,7 @@ from pat_rollout.types import Request, RequestOutput, RequestState, SamplingPara
 logger = logging.getLogger(__name__)
 
 POLL_S = 0.02  # slice of a bounded wait for the engine core's next output (between liveness checks)
+REAP_S = 30.0  # the most a stop waits for an engine's processes to be gone after vLLM's shutdown returned
 
 
 @dataclass(slots=True)
@@ -255,9 +256,39 @@ class VllmReplica:
         return [dict(unpack_tensors(p)) for p in self.engine.collective_rpc("pat_params", args=(names,))]
 
     def shutdown(self) -> None:
+        """Stop the engine, and return only once its engine core and workers are gone: the workers hold the
+        device memory (weights, KV) the next layout's engines profile at their start. vLLM's shutdown gives the
+        workers a grace period (VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS, 5 s; ~4 s on this CPU), then SIGKILLs the
+        engine core's process tree without waiting for it (`kill_process_tree`); so the engine core (our child) is
+        joined here and its workers (its children) polled until gone or zombies (exited: their memory is free),
+        at most REAP_S in all. (What a CPU test cannot show: how soon a killed CUDA process's memory is free.)"""
+        import psutil
+
         self.tracked.clear()
         self.cached_tokens.clear()
         engine, self.engine = getattr(self, "engine", None), None
-        if engine is not None:
-            engine.engine_core.shutdown()
+        if engine is None:
+            return
+        core = engine.engine_core.resources.engine_manager.processes[0]
+        try:
+            workers = psutil.Process(core.pid).children(recursive=True)
+        except psutil.NoSuchProcess:
+            workers = []
+        engine.engine_core.shutdown()
+        end = time.monotonic() + REAP_S
+        core.join(REAP_S)
+        while alive := ([core.pid] if core.is_alive() else []) + [p.pid for p in workers if not _exited(p)]:
+            if time.monotonic() > end:
+                raise RuntimeError(f"vLLM replica {self.index} on devices {list(self.devices)}: processes "
+                                   f"{sorted(alive)} still running {REAP_S:.0f} s after the engine's shutdown")
+            time.sleep(POLL_S)
 
+
+def _exited(proc: Any) -> bool:
+    """A process (psutil) that is gone or a zombie (exited, waiting for its parent to reap it)."""
+    import psutil
+
+    try:
+        return proc.status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True

@@ -60,6 +60,23 @@ def _check_handoff(pool, res, contexts: dict[str, int], dst_tp: int) -> None:
     assert res.kv_bytes_received > 0
 
 
+def _engine_processes(pool) -> list:
+    """Every replica's engine core and its workers (psutil)."""
+    import psutil
+
+    cores = [psutil.Process(rep.engine_core_pid()) for rep in pool.replicas]
+    return cores + [w for c in cores for w in c.children(recursive=True)]
+
+
+def _running(proc) -> bool:
+    import psutil
+
+    try:
+        return proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
 def _contexts(pool) -> dict[str, int]:
     return {rid: len(t.request.prompt_token_ids) + len(t.token_ids) for rep in pool.replicas
             for rid, t in rep.tracked.items()}
@@ -153,8 +170,12 @@ def test_switch_mid_decode_2xtp1_tp2_2xtp1_equals_unswitched(pool, unswitched):
     assert all(0 < n < MAX_NEW for n in seen.values()), seen
 
     ctx = _contexts(pool)
+    old_procs = _engine_processes(pool)
     res = pool.reconfigure(2, {r.request_id: i % 2 for i, r in enumerate(reqs)})
     assert pool.layout == Layout.uniform(2, 2) and res.dst == pool.layout
+    # both TP1 engines were stopped (side by side, pool.stop_all) and their processes gone before TP2 started:
+    # engine cores and workers, which on a GPU hold the memory the new engine profiles
+    assert len(old_procs) >= 4 and not [p.pid for p in old_procs if _running(p)], old_procs
     _check_handoff(pool, res, ctx, 2)  # TP1 -> TP2: each new rank loaded its KV head of the old replica's
     assert "l0" in res.recomputed and set(res.assignment.values()) == {0}
     assert [(i["device"], i["replica"], i["tp_rank"]) for i in pool.info()] == [(0, 0, 0), (1, 0, 1)]

@@ -218,3 +218,29 @@ def test_replica_step_skips_outputs_of_aborted_requests():
     assert rep.engine.engine_core.outputs_queue.empty()
     with pytest.raises(EngineTimeout, match="replica 1 on devices \\[1\\]: no engine-core output within 0.1 s"):
         rep.step(1, deadline_s=0.1)
+
+
+def test_stop_all_stops_every_engine_at_once_and_reports_failures():
+    """`pool.stop_all` runs the stops side by side: each fake stop waits on a barrier of all of them, which only
+    concurrent stops pass (one after another, the first would wait out the barrier's timeout and fail); a stop
+    that raises is reported with its replica, and the others still stop."""
+    import threading
+    import types
+
+    from pat_rollout.vllm.pool import stop_all
+
+    barrier = threading.Barrier(3, timeout=10)
+    stopped = []
+
+    def replica(i, fail=False):
+        def shutdown():
+            barrier.wait()
+            if fail:
+                raise RuntimeError(f"replica {i} would not stop")
+            stopped.append(i)
+        return types.SimpleNamespace(index=i, shutdown=shutdown)
+
+    errors = stop_all([replica(0), replica(1, fail=True), replica(2)])
+    assert sorted(stopped) == [0, 2]
+    assert [(i, str(e)) for i, e in errors] == [(1, "replica 1 would not stop")]
+    assert stop_all([]) == []
