@@ -86,20 +86,21 @@ def patched_environ(env: dict[str, str]) -> Iterator[None]:
 
 def vllm_sampling(sp: SamplingParams, max_tokens: int, eos_token_ids: Sequence[int],
                   kv: dict[str, Any] | None = None) -> Any:
-    """vLLM SamplingParams for ours: the sampled token's log-prob (`logprobs=0`, raw model log-probs), no
-    detokenization (token ids in and out), each output carrying only the tokens new since the last (`DELTA`: with
-    vLLM's default CUMULATIVE every step copies every request's whole output, O(response length) per request per
-    step, in vLLM's output processor and again here). EOS comes from the checkpoint's config (the engine runs without a
-    tokenizer), as stop token ids unless `ignore_eos`. `kv`: a migrated request's KV manifest, for the engine's
-    `kv_connector.PatKVConnector` (`kv_transfer_params`). A seed is passed only when non-zero: vLLM then samples from
-    a per-request generator seeded at admission (not reproducible across a resubmission; see README)."""
+    """vLLM SamplingParams for ours: the sampled token's log-prob (`logprobs=0`, raw model log-probs), no detokenization
+    (token ids in and out), each output carrying only the tokens new since the last (`DELTA`: with vLLM's default
+    CUMULATIVE every step copies every request's whole output, O(response length) per request per step, in vLLM's
+    output processor and again here). EOS comes from the checkpoint's config (the engine runs without a tokenizer),
+    as stop token ids unless `ignore_eos`. `kv`: a migrated request's KV manifest, for the engine's
+    `kv_connector.PatKVConnector` (`kv_transfer_params`). A seed is passed only when non-zero: vLLM then samples
+    from a per-request generator seeded at admission (not reproducible across a resubmission; see README)."""
     from vllm import SamplingParams as VSP
     from vllm.sampling_params import RequestOutputKind
 
     stop = tuple(sp.stop_token_ids) + (() if sp.ignore_eos else tuple(eos_token_ids))
     return VSP(max_tokens=max_tokens, temperature=sp.temperature, top_p=sp.top_p, top_k=sp.top_k,
                seed=sp.seed or None, stop_token_ids=list(dict.fromkeys(stop)), ignore_eos=sp.ignore_eos,
-               logprobs=0, detokenize=False, output_kind=RequestOutputKind.DELTA, extra_args={"kv_transfer_params": {"pat_kv": kv}} if kv else None)
+               logprobs=0, detokenize=False, output_kind=RequestOutputKind.DELTA,
+               extra_args={"kv_transfer_params": {"pat_kv": kv}} if kv else None)
 
 
 class VllmReplica:
@@ -200,7 +201,7 @@ class VllmReplica:
         put), so it returns as soon as an output arrives, as the blocking `get` would, and wakes only every
         POLL_S otherwise, to check that the engine core process lives and the deadline."""
         queue = self.engine.engine_core.outputs_queue
-        proc = self.engine.engine_core.resources.engine_manager.processes[0]
+        proc = _core_process(self.engine)
         end = time.monotonic() + deadline_s
         with queue.not_empty:  # queue.Queue's lock; `_qsize` is the size without taking it again
             while not queue._qsize():
@@ -223,7 +224,20 @@ class VllmReplica:
 
     def engine_core_pid(self) -> int:
         """The engine core's process id (vLLM's CoreEngineProcManager)."""
-        return self.engine.engine_core.resources.engine_manager.processes[0].pid
+        return _core_process(self.engine).pid
+
+    def processes(self) -> list[Any]:
+        """The engine core's process and its workers' (psutil.Process), the core first; [] once stopped."""
+        import psutil
+
+        engine = getattr(self, "engine", None)  # None once stopped, absent if the engine failed to start
+        if engine is None:
+            return []
+        try:
+            core = psutil.Process(_core_process(engine).pid)
+            return [core, *core.children(recursive=True)]
+        except psutil.NoSuchProcess:
+            return []
 
     def rank_token_ids(self) -> list[dict[str, list[int]]]:
         """Per TP rank of this replica (index = rank): its persistent batch's token ids per request
@@ -261,30 +275,34 @@ class VllmReplica:
         workers a grace period (VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS, 5 s; ~4 s on this CPU), then SIGKILLs the
         engine core's process tree without waiting for it (`kill_process_tree`); so the engine core (our child) is
         joined here and its workers (its children) polled until gone or zombies (exited: their memory is free),
-        at most REAP_S in all. (What a CPU test cannot show: how soon a killed CUDA process's memory is free.)"""
-        import psutil
-
+        at most REAP_S in all. On 8 GPUs that SIGKILL is also what ends a worker left blocked in an NCCL
+        collective by a failed peer (a blocked kernel never reads the death pipe): a stop is bounded by vLLM's
+        5 s grace plus REAP_S whatever the workers were doing. No tensor moves here; the driver process holds no
+        device memory. What a CPU test cannot show: how soon a killed CUDA process's device memory is free, and
+        that a worker stuck in NCCL dies on the SIGKILL rather than in driver teardown."""
         self.tracked.clear()
         self.cached_tokens.clear()
+        workers = self.processes()[1:]
         engine, self.engine = getattr(self, "engine", None), None
         if engine is None:
             return
-        core = engine.engine_core.resources.engine_manager.processes[0]
-        try:
-            workers = psutil.Process(core.pid).children(recursive=True)
-        except psutil.NoSuchProcess:
-            workers = []
+        core = _core_process(engine)
         engine.engine_core.shutdown()
         end = time.monotonic() + REAP_S
         core.join(REAP_S)
-        while alive := ([core.pid] if core.is_alive() else []) + [p.pid for p in workers if not _exited(p)]:
+        while alive := ([core.pid] if core.is_alive() else []) + [p.pid for p in workers if not process_exited(p)]:
             if time.monotonic() > end:
                 raise RuntimeError(f"vLLM replica {self.index} on devices {list(self.devices)}: processes "
                                    f"{sorted(alive)} still running {REAP_S:.0f} s after the engine's shutdown")
             time.sleep(POLL_S)
 
 
-def _exited(proc: Any) -> bool:
+def _core_process(engine: Any) -> Any:
+    """The engine core's process of a vLLM LLMEngine (a multiprocessing.Process, a child of this one)."""
+    return engine.engine_core.resources.engine_manager.processes[0]
+
+
+def process_exited(proc: Any) -> bool:
     """A process (psutil) that is gone or a zombie (exited, waiting for its parent to reap it)."""
     import psutil
 

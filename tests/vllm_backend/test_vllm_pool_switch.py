@@ -24,6 +24,7 @@ from pat_rollout.driver.errors import ReconfigurationError, WorkerError  # noqa:
 from pat_rollout.kv.cost import HandoffCost  # noqa: E402
 from pat_rollout.layout import Layout  # noqa: E402
 from pat_rollout.types import Request, SamplingParams  # noqa: E402
+from pat_rollout.vllm.replica import process_exited  # noqa: E402
 
 pytestmark = [pytest.mark.slow]
 
@@ -58,23 +59,6 @@ def _check_handoff(pool, res, contexts: dict[str, int], dst_tp: int) -> None:
     assert {rid: pool.last_cached_tokens[rid] for rid in migrated} == {rid: contexts[rid] - 1 for rid in migrated}
     assert all(pool.last_cached_tokens.get(rid, 0) == 0 for rid in recomputed)
     assert res.kv_bytes_received > 0
-
-
-def _engine_processes(pool) -> list:
-    """Every replica's engine core and its workers (psutil)."""
-    import psutil
-
-    cores = [psutil.Process(rep.engine_core_pid()) for rep in pool.replicas]
-    return cores + [w for c in cores for w in c.children(recursive=True)]
-
-
-def _running(proc) -> bool:
-    import psutil
-
-    try:
-        return proc.status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
 
 
 def _contexts(pool) -> dict[str, int]:
@@ -170,12 +154,12 @@ def test_switch_mid_decode_2xtp1_tp2_2xtp1_equals_unswitched(pool, unswitched):
     assert all(0 < n < MAX_NEW for n in seen.values()), seen
 
     ctx = _contexts(pool)
-    old_procs = _engine_processes(pool)
+    old_procs = [p for rep in pool.replicas for p in rep.processes()]  # engine cores and workers
     res = pool.reconfigure(2, {r.request_id: i % 2 for i, r in enumerate(reqs)})
     assert pool.layout == Layout.uniform(2, 2) and res.dst == pool.layout
     # both TP1 engines were stopped (side by side, pool.stop_all) and their processes gone before TP2 started:
     # engine cores and workers, which on a GPU hold the memory the new engine profiles
-    assert len(old_procs) >= 4 and not [p.pid for p in old_procs if _running(p)], old_procs
+    assert len(old_procs) >= 4 and all(process_exited(p) for p in old_procs), old_procs
     _check_handoff(pool, res, ctx, 2)  # TP1 -> TP2: each new rank loaded its KV head of the old replica's
     assert "l0" in res.recomputed and set(res.assignment.values()) == {0}
     assert [(i["device"], i["replica"], i["tp_rank"]) for i in pool.info()] == [(0, 0, 0), (1, 0, 1)]
